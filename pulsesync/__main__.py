@@ -1,0 +1,7 @@
+"""`python -m pulsesync` runs the CLI."""
+
+import sys
+
+from pulsesync.cli import main
+
+sys.exit(main())

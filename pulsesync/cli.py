@@ -1,0 +1,103 @@
+"""The `pulsesync` command line. Errors become one line on stderr and a documented exit code."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pulsesync import __version__
+from pulsesync.config import Config, load_config
+from pulsesync.errors import PulseSyncError
+
+log = logging.getLogger("pulsesync")
+
+
+def _common_flags() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", type=Path, metavar="FILE", help="YAML config file (flags override it)")
+    common.add_argument("--store", metavar="URL", help="s3://bucket/prefix or file:///path")
+    common.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint (R2, MinIO, any S3-compatible server)")
+    common.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    return common
+
+
+def _config(args: argparse.Namespace) -> Config:
+    """The shared config from --config and the common flags."""
+    return load_config(Config, args.config, {"store.url": args.store, "store.endpoint_url": args.endpoint_url})
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pulsesync.signing import write_keypair
+
+    key_path, pub_path, kid = write_keypair(args.out, force=args.force)
+    print(f"wrote {key_path} (private, mode 0600) and {pub_path}; key id {kid}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pulsesync.demo import run_demo
+
+    config = _config(args)
+    ok = run_demo(
+        steps=args.steps,
+        anchor_interval=args.anchor_interval,
+        hidden=args.hidden,
+        layers=args.layers,
+        lr=args.lr,
+        seed=args.seed,
+        params=config.codec,
+    )
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every command."""
+    common = _common_flags()
+    parser = argparse.ArgumentParser(
+        prog="pulsesync",
+        description="Lossless sparse weight sync from RL trainers to inference servers through an object store.",
+    )
+    parser.add_argument("--version", action="version", version=f"pulsesync {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    keygen = commands.add_parser("keygen", parents=[common], help="generate a publisher signing keypair")
+    keygen.add_argument("--out", type=Path, required=True, metavar="DIR", help="writes DIR/publisher.key and .pub")
+    keygen.add_argument("--force", action="store_true", help="overwrite existing key files")
+    keygen.set_defaults(run=_cmd_keygen)
+
+    demo = commands.add_parser(
+        "demo", parents=[common], help="run trainer, publisher and two subscribers on this machine; check bit-exactness"
+    )
+    demo.add_argument("--steps", type=int, default=30, help="training steps to publish (default 30)")
+    demo.add_argument("--anchor-interval", type=int, default=10, metavar="K", help="anchor every K steps (default 10)")
+    demo.add_argument("--hidden", type=int, default=256, help="model width (default 256; ~9M parameters)")
+    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    demo.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pulsesync` console script."""
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result: Any = args.run(args)
+        return int(result)
+    except PulseSyncError as e:
+        message = " ".join(str(e).split())  # exactly one line, whatever the message holds
+        print(f"pulsesync: error: {type(e).__name__}: {message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("pulsesync: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Patch decoder: streaming record parser and bit-exact, bounds-checked apply (pure).
+
+Decoding never trusts a size it has not checked: every record's declared sizes must agree with
+each other, with the patch header's declared total and with the tensor being patched before
+anything is allocated, and every position is bounds-checked before it is written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from pulsesync.codec import bits
+from pulsesync.codec.format import (
+    PatchHeader,
+    RecordHeader,
+    RecordKind,
+    ValueCoding,
+    parse_header,
+    parse_record_header,
+)
+from pulsesync.digest import StateDigest, state_digest
+from pulsesync.errors import CorruptPatchError, IntegrityError
+from pulsesync.parallel import parallel_map
+from pulsesync.tensors import describe
+
+_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """A per-thread decompressor (zstandard decompressors are not thread-safe)."""
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+@dataclass(frozen=True)
+class PatchRecord:
+    """One decoded record: chunk-relative positions and coded values, ready to apply."""
+
+    header: RecordHeader
+    positions: np.ndarray | None  # SPARSE only: int64 positions in [0, header.length)
+    values: np.ndarray | None  # coded values (SPARSE/DENSE) or raw bits (ADD/REPLACE)
+
+    @property
+    def name(self) -> str:
+        """Name of the tensor this record changes."""
+        return self.header.name
+
+    def check_target(self, state: MutableMapping[str, torch.Tensor]) -> None:
+        """Raise CorruptPatchError unless this record fits the tensor it targets in `state`."""
+        check_target(self.header, state)
+
+    def apply(self, state: MutableMapping[str, torch.Tensor], device: torch.device | None = None) -> None:
+        """Apply to `state` in place. Tensors patched in place must be contiguous."""
+        h = self.header
+        self.check_target(state)
+        if h.kind == RecordKind.REMOVE:
+            del state[h.name]
+        elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):
+            assert self.values is not None
+            target = device or _state_device(state)
+            tensor = torch.from_numpy(self.values).view(h.dtype.torch_dtype).reshape(h.shape)
+            state[h.name] = tensor.to(target)
+        else:
+            assert self.values is not None
+            tensor = state[h.name]
+            if not tensor.is_contiguous():
+                raise CorruptPatchError(f"tensor {h.name!r} must be contiguous to be patched in place")
+            chunk = tensor.view(-1).view(h.dtype.int_dtype)[h.start : h.start + h.length]
+            coded = torch.from_numpy(self.values).to(chunk.device)
+            if h.kind == RecordKind.DENSE:
+                chunk.copy_(bits.decode_values(chunk, coded, h.dtype, h.coding))
+            else:
+                assert self.positions is not None
+                index = torch.from_numpy(self.positions).to(chunk.device)
+                old = chunk.index_select(0, index)
+                chunk.index_copy_(0, index, bits.decode_values(old, coded, h.dtype, h.coding))
+
+
+def _state_device(state: MutableMapping[str, torch.Tensor]) -> torch.device:
+    for t in state.values():
+        return t.device
+    return torch.device("cpu")
+
+
+def check_target(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> None:
+    """Raise CorruptPatchError unless the record fits `state` (done before any allocation)."""
+    present = h.name in state
+    if h.kind == RecordKind.ADD:
+        if present:
+            raise CorruptPatchError(f"record adds tensor {h.name!r}, which the state already has")
+        return
+    if not present:
+        raise CorruptPatchError(f"record {h.kind.name} targets tensor {h.name!r}, which the state lacks")
+    if h.kind in (RecordKind.SPARSE, RecordKind.DENSE):
+        t = state[h.name]
+        if t.dtype != h.dtype.torch_dtype or tuple(t.shape) != h.shape:
+            raise CorruptPatchError(
+                f"record for tensor {h.name!r} expects {h.dtype.name}{list(h.shape)}, the state has {describe(t)}"
+            )
+
+
+def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
+    """Decompress and unpack one record's payload (sizes are exact or CorruptPatchError)."""
+    if h.raw_len == 0:
+        return PatchRecord(h, None, None)
+    where = f"record for tensor {h.name!r} at element {h.start}"
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared != h.raw_len:
+            raise CorruptPatchError(f"{where}: zstd frame declares {declared} bytes, record {h.raw_len}")
+        raw = _decompressor().decompress(payload, max_output_size=h.raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptPatchError(f"{where}: payload does not decompress ({e})") from None
+    if len(raw) != h.raw_len:
+        raise CorruptPatchError(f"{where}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
+    buf = np.frombuffer(raw, np.uint8)
+    if h.kind != RecordKind.SPARSE:
+        return PatchRecord(h, None, _decode_value_stream(buf, h, h.length, 0, where))
+    n, gaps_end = h.count, 2 * h.count
+    escapes_end = gaps_end + 8 * h.escapes
+    gaps = bits.from_planes(buf[:gaps_end], n, np.uint16)
+    escapes = buf[gaps_end:escapes_end].view("<u8")
+    positions = bits.decode_positions(gaps, escapes, h.length, where)
+    return PatchRecord(h, positions, _decode_value_stream(buf[escapes_end:], h, n, 1, where))
+
+
+def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
+    """n coded values (signed ints of the dtype's width) from byte planes or packed codes."""
+    np_int = _NP_INT[h.dtype.width]
+    if not h.coding.packed:
+        return bits.from_planes(buf, n, np_int)
+    packed_len = (n + 3) // 4
+    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, _NP_UINT[h.dtype.width])
+    values = bits.unpack_small(buf[:packed_len], n, escaped, offset, where)
+    return bits.unzigzag(values, np_int) if h.coding == ValueCoding.DELTA else values.view(np_int)
+
+
+class PatchDecoder:
+    """Incremental patch parser: feed bytes as they arrive, get records as they complete.
+
+    Validates framing (magic, version, checksums, declared sizes, record order) as it goes;
+    `finish()` raises if the patch ended early. Memory held: at most one record's bytes.
+    """
+
+    def __init__(self, max_decoded_bytes: int | None = None) -> None:
+        self.header: PatchHeader | None = None
+        self._max_decoded = max_decoded_bytes
+        self._buf = bytearray()
+        self._records = 0
+        self._decoded = 0
+        self._last: tuple[str, int] | None = None  # (name, end) of the previous record
+        self._whole: str | None = None  # name of the previous whole-tensor record
+        self.done = False
+
+    def feed(self, data: bytes | memoryview) -> list[PatchRecord]:
+        """Consume bytes; return the records they complete, decoded."""
+        return [decode_record(h, p) for h, p in self.split(data)]
+
+    def split(self, data: bytes | memoryview) -> list[tuple[RecordHeader, memoryview]]:
+        """Consume bytes; return the records they complete as (header, compressed payload)."""
+        if self.done and len(data):
+            raise CorruptPatchError("patch has trailing bytes after its end record")
+        self._buf += data
+        out: list[tuple[RecordHeader, memoryview]] = []
+        view = memoryview(self._buf)
+        offset = 0
+        try:
+            if self.header is None:
+                parsed = parse_header(view)
+                if parsed is None:
+                    return out
+                self.header, offset = parsed
+                if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
+                    raise CorruptPatchError(
+                        f"patch declares {self.header.decoded_bytes} decoded bytes, above the limit {self._max_decoded}"
+                    )
+            while not self.done:
+                parsed_record = parse_record_header(view, offset)
+                if parsed_record is None:
+                    break
+                h, payload_start = parsed_record
+                if len(view) < payload_start + h.comp_len:
+                    break
+                self._admit(h)
+                if h.kind != RecordKind.END:
+                    out.append((h, memoryview(bytes(view[payload_start : payload_start + h.comp_len]))))
+                offset = payload_start + h.comp_len
+            if self.done and offset != len(view):
+                raise CorruptPatchError("patch has trailing bytes after its end record")
+        finally:
+            view.release()
+        del self._buf[:offset]
+        return out
+
+    def _admit(self, h: RecordHeader) -> None:
+        """Check a record against the header's totals and the records before it."""
+        assert self.header is not None
+        if h.kind == RecordKind.END:
+            if h.count != self._records or self._records != self.header.records:
+                raise CorruptPatchError(
+                    f"patch end record counts {h.count} records, header {self.header.records}, found {self._records}"
+                )
+            self.done = True
+            return
+        self._records += 1
+        self._decoded += h.raw_len
+        if self._records > self.header.records or self._decoded > self.header.decoded_bytes:
+            raise CorruptPatchError(
+                f"record for tensor {h.name!r} exceeds the patch's declared "
+                f"{self.header.records} records / {self.header.decoded_bytes} decoded bytes"
+            )
+        # Names ascend; chunks of one tensor ascend without overlap; whole-tensor records stand alone.
+        whole = h.kind in (RecordKind.ADD, RecordKind.REPLACE, RecordKind.REMOVE)
+        if self._last is not None:
+            last_name, last_end = self._last
+            if h.name < last_name or (h.name == last_name and (whole or self._whole == h.name or h.start < last_end)):
+                raise CorruptPatchError(f"record for tensor {h.name!r} is out of order or overlaps the previous one")
+        self._last = (h.name, h.start + h.length)
+        self._whole = h.name if whole else None
+
+    def finish(self) -> PatchHeader:
+        """Assert the whole patch was seen; returns its header."""
+        if not self.done or self.header is None:
+            got = "no header" if self.header is None else f"{self._records} of {self.header.records} records"
+            raise CorruptPatchError(f"patch is truncated: ended after {got} without its end record")
+        return self.header
+
+
+def read_header(patch: bytes | memoryview) -> PatchHeader:
+    """The header of a patch (codec parameters, digests, declared sizes) without decoding it."""
+    parsed = parse_header(patch)
+    if parsed is None:
+        raise CorruptPatchError(f"patch is truncated: {len(patch)} bytes is shorter than its header")
+    return parsed[0]
+
+
+def apply_patch(
+    state: MutableMapping[str, torch.Tensor],
+    patch: bytes | memoryview,
+    *,
+    base_digest: StateDigest | None = None,
+    verify: bool = True,
+    threads: int | None = 1,
+    max_decoded_bytes: int | None = None,
+) -> StateDigest | None:
+    """Apply a patch to `state` in place; bit-exact. Returns the new state's digest if verified.
+
+    `base_digest` is the digest of `state` if already known (else it is computed); it must equal
+    the patch's base digest. With `verify`, the result's digest must equal the patch's state digest.
+    On any error `state` may be partially patched: apply to a working copy and discard it on error.
+    Records decode on one thread by default: their many small array operations contend for the
+    GIL, so more threads were slower on every machine measured (docs/benchmarks.md).
+    """
+    parser = PatchDecoder(max_decoded_bytes)
+    raw_records = parser.split(patch)
+    header = parser.finish()
+    current = base_digest or state_digest(state, header.digest_algorithm, threads)  # type: ignore[arg-type]
+    if current.root != header.base_digest:
+        raise IntegrityError(
+            f"patch was made against state digest {header.base_digest}, "
+            f"but the state to patch has {current.algorithm} digest {current.root}"
+        )
+    for h, _ in raw_records:
+        check_target(h, state)
+        if h.kind in (RecordKind.SPARSE, RecordKind.DENSE) and not state[h.name].is_contiguous():
+            state[h.name] = state[h.name].contiguous()
+
+    def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> PatchRecord | None:
+        record = decode_record(*item)
+        if item[0].kind in (RecordKind.SPARSE, RecordKind.DENSE):
+            record.apply(state)  # disjoint chunks: safe to write concurrently
+            return None
+        return record
+
+    device = _state_device(state)
+    for record in list(parallel_map(decode_and_apply, raw_records, threads)):
+        if record is not None:
+            record.apply(state, device)
+    if not verify:
+        return None
+    result = state_digest(state, header.digest_algorithm, threads)  # type: ignore[arg-type]
+    if result.root != header.state_digest:
+        raise IntegrityError(
+            f"patched state has digest {result.root}, the patch promises {header.state_digest}"
+        )
+    return result

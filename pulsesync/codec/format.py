@@ -1,0 +1,270 @@
+"""Binary layout of a patch (pure; no I/O). See docs/patch-format.md.
+
+    patch    = preamble header_json header_checksum record* end_record
+    preamble = MAGIC(8) version:u16 flags:u16 header_len:u32
+    record   = fixed name shape checksum:u32 payload(comp_len bytes: one zstd frame, or empty)
+
+All integers little-endian. Every header carries an xxh32/xxh3 checksum and every payload is a
+zstd frame with a content checksum, so a flipped byte anywhere is caught while decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
+from pulsesync.tensors import DTypeInfo, dtype_by_code
+
+MAGIC = b"PULSEPT\x00"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<8sHHI")
+HEADER_CHECKSUM = struct.Struct("<Q")
+RECORD_MAGIC = b"PR"
+# magic kind dtype ndim coding name_len start length count escapes value_escapes raw_len comp_len
+RECORD_FIXED = struct.Struct("<2sBBBBHQQQQQQQ")
+RECORD_CHECKSUM = struct.Struct("<I")
+
+# Sanity limits: generous for any real model, small enough that a lying header cannot make the
+# decoder allocate or loop without bound.
+MAX_HEADER_BYTES = 1 << 20
+MAX_NAME_BYTES = 4096
+MAX_NDIM = 32
+MAX_NUMEL = 1 << 50
+ESCAPE = 0xFFFF  # a u16 gap of this value means "the real gap is in the escape list"
+SMALL_ESCAPE = 3  # a 2-bit value code of this value means "the value is in the escape planes"
+
+
+class RecordKind(enum.IntEnum):
+    """What a record does to its tensor."""
+
+    END = 0  # closes the patch; `count` repeats the number of records before it
+    SPARSE = 1  # changed positions + coded values inside [start, start+length)
+    DENSE = 2  # every value of [start, start+length), coded
+    ADD = 3  # a tensor absent from the base: dtype, shape, raw values
+    REPLACE = 4  # a tensor whose dtype or shape changed: new dtype, shape, raw values
+    REMOVE = 5  # a tensor absent from the new state
+
+
+class ValueCoding(enum.IntEnum):
+    """How changed values are stored; the decoder always produces absolute new values."""
+
+    RAW = 0  # the new bit patterns (as PULSE), in byte planes
+    DELTA = 1  # zigzag of the difference of order-preserving bit patterns (one ULP = 1), packed
+    XOR = 2  # new bits XOR old bits, packed
+
+    @property
+    def packed(self) -> bool:
+        """Small-integer codings are stored as 2-bit codes plus escaped full values."""
+        return self != ValueCoding.RAW
+
+
+class PatchHeader(BaseModel):
+    """The JSON header of a patch: codec parameters, digests and declared sizes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    value_coding: str
+    zstd_level: int
+    chunk_elements: int = Field(gt=0)
+    digest_algorithm: str
+    base_digest: str
+    state_digest: str
+    records: int = Field(ge=0)
+    decoded_bytes: int = Field(ge=0)  # sum of every record's raw_len: the decoder's allocation bound
+    changed_elements: int = Field(ge=0)
+    dense_bytes: int = Field(ge=0)  # bytes of the resulting state, dense
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """One record's fixed fields, validated for internal consistency."""
+
+    kind: RecordKind
+    name: str
+    dtype: DTypeInfo
+    shape: tuple[int, ...]
+    coding: ValueCoding
+    start: int
+    length: int
+    count: int
+    escapes: int  # position gaps too large for u16
+    value_escapes: int  # packed values too large for a 2-bit code
+    raw_len: int
+    comp_len: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor the record belongs to."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def encode_header(header: PatchHeader) -> bytes:
+    """Preamble, canonical JSON header and its checksum."""
+    body = json.dumps(header.model_dump(), sort_keys=True, separators=(",", ":")).encode()
+    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+    return head + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int] | None:
+    """Parse the patch header from the start of buf; None if more bytes are needed.
+
+    Returns the header and the number of bytes it occupies.
+    """
+    if len(buf) < PREAMBLE.size:
+        if bytes(buf[: len(MAGIC)]) != MAGIC[: len(buf)]:
+            raise CorruptPatchError("not a pulsesync patch: bad magic bytes")
+        return None
+    magic, version, _flags, header_len = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptPatchError("not a pulsesync patch: bad magic bytes")
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"patch format version {version} is not supported (this pulsesync reads {FORMAT_VERSION})"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise CorruptPatchError(f"patch header declares {header_len} bytes (limit {MAX_HEADER_BYTES})")
+    end = PREAMBLE.size + header_len
+    total = end + HEADER_CHECKSUM.size
+    if len(buf) < total:
+        return None
+    (checksum,) = HEADER_CHECKSUM.unpack_from(buf, end)
+    if xxhash.xxh3_64_intdigest(bytes(buf[:end])) != checksum:
+        raise CorruptPatchError("patch header checksum mismatch (corrupted header)")
+    try:
+        header = PatchHeader.model_validate_json(bytes(buf[PREAMBLE.size : end]))
+    except ValidationError as e:
+        raise CorruptPatchError(f"patch header is invalid: {e.errors()[0]['msg']}") from None
+    return header, total
+
+
+def values_len(coding: ValueCoding, width: int, n: int, value_escapes: int) -> int:
+    """Bytes of n coded values: byte planes, or 2-bit codes + escaped values' planes."""
+    return (n + 3) // 4 + width * value_escapes if coding.packed else width * n
+
+
+def raw_len_for(
+    kind: RecordKind, coding: ValueCoding, width: int, length: int, count: int, escapes: int, value_escapes: int
+) -> int:
+    """Exact decompressed payload size a record's fields imply."""
+    if kind == RecordKind.SPARSE:
+        return 2 * count + 8 * escapes + values_len(coding, width, count, value_escapes)
+    if kind in (RecordKind.DENSE, RecordKind.ADD, RecordKind.REPLACE):
+        return values_len(coding, width, length, value_escapes)
+    return 0
+
+
+def encode_record_header(
+    kind: RecordKind,
+    name: str,
+    dtype: DTypeInfo | None,
+    shape: tuple[int, ...],
+    coding: ValueCoding,
+    start: int,
+    length: int,
+    count: int,
+    escapes: int,
+    value_escapes: int,
+    raw_len: int,
+    comp_len: int,
+) -> bytes:
+    """Fixed fields, name, shape and checksum of one record."""
+    name_bytes = name.encode("utf-8")
+    fixed = RECORD_FIXED.pack(
+        RECORD_MAGIC,
+        kind,
+        dtype.code if dtype else 0,
+        len(shape),
+        coding,
+        len(name_bytes),
+        start,
+        length,
+        count,
+        escapes,
+        value_escapes,
+        raw_len,
+        comp_len,
+    )
+    body = fixed + name_bytes + struct.pack(f"<{len(shape)}Q", *shape)
+    return body + RECORD_CHECKSUM.pack(xxhash.xxh32_intdigest(body))
+
+
+def parse_record_header(buf: bytes | bytearray | memoryview, offset: int) -> tuple[RecordHeader, int] | None:
+    """Parse and validate the record header at offset; None if more bytes are needed.
+
+    Returns the header and the offset where its payload starts.
+    """
+    if len(buf) - offset < RECORD_FIXED.size:
+        return None
+    (magic, kind, dcode, ndim, coding, name_len, start, length, count, escapes, value_escapes, raw_len, comp_len) = (
+        RECORD_FIXED.unpack_from(buf, offset)
+    )
+    where = f"record at byte {offset}"
+    if magic != RECORD_MAGIC:
+        raise CorruptPatchError(f"{where}: bad record magic (corrupted or misaligned patch)")
+    if name_len > MAX_NAME_BYTES or ndim > MAX_NDIM:
+        raise CorruptPatchError(f"{where}: name length {name_len} or ndim {ndim} out of range")
+    body_end = offset + RECORD_FIXED.size + name_len + 8 * ndim
+    if len(buf) < body_end + RECORD_CHECKSUM.size:
+        return None
+    (checksum,) = RECORD_CHECKSUM.unpack_from(buf, body_end)
+    if xxhash.xxh32_intdigest(bytes(buf[offset:body_end])) != checksum:
+        raise CorruptPatchError(f"{where}: record header checksum mismatch (corrupted record)")
+    # From here on the fields are what the encoder wrote; checks below catch lying encoders.
+    name_start = offset + RECORD_FIXED.size
+    try:
+        name = bytes(buf[name_start : name_start + name_len]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptPatchError(f"{where}: tensor name is not UTF-8") from None
+    shape = struct.unpack_from(f"<{ndim}Q", buf, name_start + name_len)
+    where = f"record for tensor {name!r}"
+    try:
+        rkind = RecordKind(kind)
+        rcoding = ValueCoding(coding)
+    except ValueError:
+        raise CorruptPatchError(f"{where}: unknown record kind {kind} or value coding {coding}") from None
+    info = dtype_by_code(dcode)
+    if info is None and rkind not in (RecordKind.END, RecordKind.REMOVE):
+        raise CorruptPatchError(f"{where}: unknown dtype code {dcode}")
+    header = RecordHeader(
+        rkind, name, info, shape, rcoding, start, length, count, escapes, value_escapes, raw_len, comp_len  # type: ignore[arg-type]
+    )
+    _check_record(header, where)
+    return header, body_end + RECORD_CHECKSUM.size
+
+
+def _check_record(h: RecordHeader, where: str) -> None:
+    """Reject records whose declared sizes disagree with each other."""
+    if h.kind in (RecordKind.END, RecordKind.REMOVE):
+        if h.raw_len or h.comp_len:
+            raise CorruptPatchError(f"{where}: {h.kind.name} record must carry no payload")
+        return
+    numel = h.numel
+    if numel > MAX_NUMEL:
+        raise CorruptPatchError(f"{where}: shape {list(h.shape)} has {numel} elements (limit {MAX_NUMEL})")
+    if h.kind in (RecordKind.ADD, RecordKind.REPLACE) and (h.start != 0 or h.length != numel or h.coding.packed):
+        raise CorruptPatchError(f"{where}: {h.kind.name} record must hold the whole tensor, raw")
+    if h.start + h.length > numel:
+        raise CorruptPatchError(
+            f"{where}: chunk [{h.start}, {h.start + h.length}) is outside the tensor of {numel} elements"
+        )
+    if h.kind == RecordKind.SPARSE and not (0 < h.count <= h.length and h.escapes <= h.count):
+        raise CorruptPatchError(
+            f"{where}: {h.count} changed elements / {h.escapes} escapes do not fit a chunk of {h.length}"
+        )
+    coded = h.count if h.kind == RecordKind.SPARSE else h.length
+    if h.value_escapes > (coded if h.coding.packed else 0):
+        raise CorruptPatchError(f"{where}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")
+    expected = raw_len_for(h.kind, h.coding, h.dtype.width, h.length, h.count, h.escapes, h.value_escapes)
+    if h.raw_len != expected:
+        raise CorruptPatchError(f"{where}: declares {h.raw_len} decoded bytes, its fields imply {expected}")
+    if (h.comp_len == 0) != (h.raw_len == 0):
+        raise CorruptPatchError(f"{where}: compressed size {h.comp_len} for {h.raw_len} decoded bytes")

@@ -1,0 +1,90 @@
+"""Configuration: YAML files validated by pydantic, with command-line flags overriding file values.
+
+Unknown keys and bad values fail at start with a ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pulsesync.codec.params import CodecParams
+from pulsesync.errors import ConfigError
+
+STORE_SCHEMES = ("s3", "file")
+
+
+class StoreConfig(BaseModel):
+    """Where published objects live."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = Field(None, description="s3://bucket/prefix or file:///path/prefix")
+    endpoint_url: str | None = Field(None, description="S3 endpoint for R2, MinIO or any S3-compatible server")
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parsed = urlparse(v)
+        if parsed.scheme not in STORE_SCHEMES:
+            raise ValueError(f"store url {v!r} must start with s3:// or file://")
+        if parsed.scheme == "s3" and not parsed.netloc:
+            raise ValueError(f"store url {v!r} names no bucket (s3://bucket/prefix)")
+        if parsed.scheme == "file" and not parsed.path:
+            raise ValueError(f"store url {v!r} names no path (file:///path)")
+        return v
+
+
+class Config(BaseModel):
+    """Settings every command shares; each daemon's config extends this."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    codec: CodecParams = Field(default_factory=CodecParams)
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key {part!r} must be a mapping to set {dotted}")
+        node = child
+    node[leaf] = value
+
+
+def load_config(model: type[ConfigT], path: Path | str | None = None, overrides: dict[str, Any] | None = None) -> ConfigT:
+    """Load `model` from a YAML file (optional), then apply dotted-key overrides that are not None."""
+    source = f"config file {path}" if path else "command line"
+    tree: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: invalid YAML ({e})".replace("\n", " ")) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        tree = loaded or {}
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(tree, dotted, value)
+    try:
+        return model.model_validate(tree)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise ConfigError(f"{source}: {key}: {err['msg']}{more}") from None

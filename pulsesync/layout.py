@@ -1,0 +1,67 @@
+"""Key names in the store (pure): the protocol's prefixes, zero-padded so listing order is step order.
+
+    {prefix}/patches/{step:012d}/...        patch payload object(s)
+    {prefix}/anchors/{step:012d}/...        anchor shards, index, config files
+    {prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
+    {prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["patch", "anchor"]
+STEP_DIGITS = 12
+MAX_STEP = 10**STEP_DIGITS - 1
+PATCH_OBJECT = "patch.bin"
+_READY_RE = re.compile(r"^(\d{12})\.(patch|anchor)\.json$")
+
+
+def _check_step(step: int) -> int:
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step {step} is outside 0..{MAX_STEP}")
+    return step
+
+
+def step_name(step: int) -> str:
+    """Zero-padded step: lexicographic order equals numeric order."""
+    return f"{_check_step(step):0{STEP_DIGITS}d}"
+
+
+def patch_prefix(step: int) -> str:
+    """Folder of a step's patch payload objects."""
+    return f"patches/{step_name(step)}/"
+
+
+def patch_key(step: int) -> str:
+    """Key of a step's single patch payload object."""
+    return patch_prefix(step) + PATCH_OBJECT
+
+
+def anchor_prefix(step: int) -> str:
+    """Folder of a step's anchor shards and files."""
+    return f"anchors/{step_name(step)}/"
+
+
+def ready_key(step: int, kind: Kind) -> str:
+    """Key of a step's ready marker (its signed manifest)."""
+    return f"ready/{step_name(step)}.{kind}.json"
+
+
+@dataclass(frozen=True, order=True)
+class ReadyEntry:
+    """A parsed ready-marker key."""
+
+    step: int
+    kind: Kind
+
+
+def parse_ready_key(key: str) -> ReadyEntry | None:
+    """(step, kind) of a ready-marker key relative to the prefix, or None if it is not one."""
+    name = key.removeprefix("ready/")
+    match = _READY_RE.match(name) if name != key else None
+    if match is None:
+        return None
+    return ReadyEntry(int(match.group(1)), match.group(2))  # type: ignore[arg-type]

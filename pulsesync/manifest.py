@@ -1,0 +1,189 @@
+"""Signed manifests: the description of one published patch or anchor, and its ready marker.
+
+Manifests are canonical JSON (sorted keys, compact, UTF-8) signed with Ed25519 over everything
+but the signature. Verification checks the signature over the canonical form of the bytes as
+received, before trusting any field, so no coercion or re-serialization can hide a tamper.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from pulsesync import signing
+from pulsesync.digest import StateDigest
+from pulsesync.errors import ManifestError, ReplayError, UnknownKeyError, UnsupportedVersionError
+
+MANIFEST_VERSION = 1
+_SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Canonical JSON bytes: sorted keys, no whitespace, UTF-8; integers and strings only."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def utc_now() -> str:
+    """Current time as RFC 3339 UTC with a Z suffix, second precision."""
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ObjectRef(_Strict):
+    """One object a manifest covers: its key, exact size and SHA-256."""
+
+    key: str = Field(min_length=1)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=_SHA256_HEX)
+
+    @classmethod
+    def for_bytes(cls, key: str, data: bytes) -> ObjectRef:
+        """Reference to an object with the given content."""
+        return cls(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+class Sizes(_Strict):
+    """What the published object set weighs."""
+
+    dense_bytes: int = Field(ge=0, description="bytes of the full state, dense")
+    wire_bytes: int = Field(ge=0, description="bytes of the objects to download")
+    changed_elements: int = Field(ge=0, description="elements that differ from the base (anchors: all)")
+
+
+class PatchCodec(_Strict):
+    """Codec a patch was encoded with (patches are self-describing; this is for inspection)."""
+
+    name: Literal["pulsesync-sparse"] = "pulsesync-sparse"
+    format_version: int
+    value_coding: str
+    zstd_level: int
+    chunk_elements: int
+
+
+class AnchorFormat(_Strict):
+    """Layout of an anchor checkpoint."""
+
+    name: Literal["safetensors"] = "safetensors"
+    shards: int = Field(ge=1)
+
+
+class _ManifestBase(_Strict):
+    format_version: Literal[1] = MANIFEST_VERSION
+    step: int = Field(ge=0)
+    objects: list[ObjectRef] = Field(min_length=1)
+    state_digest: StateDigest
+    sizes: Sizes
+    created_at: str
+    key_id: str = ""
+    signature: str = ""
+
+    @field_validator("created_at")
+    @classmethod
+    def _rfc3339(cls, v: str) -> str:
+        try:
+            dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError(f"created_at {v!r} is not an RFC 3339 timestamp") from None
+        return v
+
+    @field_validator("objects")
+    @classmethod
+    def _unique_keys(cls, v: list[ObjectRef]) -> list[ObjectRef]:
+        keys = [o.key for o in v]
+        if len(set(keys)) != len(keys):
+            raise ValueError("object keys must be unique")
+        return v
+
+    def signing_payload(self) -> bytes:
+        """Canonical bytes the signature covers: every field but the signature."""
+        return canonical_json(self.model_dump(mode="json", exclude={"signature"}))
+
+    def to_bytes(self) -> bytes:
+        """Canonical JSON of the whole manifest, as stored in the ready marker."""
+        return canonical_json(self.model_dump(mode="json"))
+
+    def signed(self, private_key: Ed25519PrivateKey) -> Any:
+        """A copy with key_id and signature set by `private_key`."""
+        unsigned = self.model_copy(update={"key_id": signing.key_id(private_key.public_key()), "signature": ""})
+        return unsigned.model_copy(update={"signature": signing.sign(private_key, unsigned.signing_payload())})
+
+
+class PatchManifest(_ManifestBase):
+    """A patch from base_step to step, in the chain that starts at anchor_step."""
+
+    kind: Literal["patch"] = "patch"
+    base_step: int = Field(ge=0)
+    anchor_step: int = Field(ge=0)
+    base_digest: str = Field(min_length=1, description="root state digest of base_step")
+    codec: PatchCodec
+
+    @model_validator(mode="after")
+    def _chain_order(self) -> PatchManifest:
+        if not self.anchor_step <= self.base_step < self.step:
+            raise ValueError(
+                f"steps must satisfy anchor_step <= base_step < step, got {self.anchor_step}, "
+                f"{self.base_step}, {self.step}"
+            )
+        return self
+
+
+class AnchorManifest(_ManifestBase):
+    """A full checkpoint of the state at step."""
+
+    kind: Literal["anchor"] = "anchor"
+    codec: AnchorFormat
+
+
+Manifest = Annotated[PatchManifest | AnchorManifest, Field(discriminator="kind")]
+_MANIFEST = TypeAdapter(Manifest)
+
+
+def verify_manifest(
+    data: bytes,
+    trusted: Mapping[str, Ed25519PublicKey],
+    *,
+    newer_than: int | None = None,
+    name: str = "manifest",
+) -> PatchManifest | AnchorManifest:
+    """Parse and authenticate a manifest; `name` (e.g. its key) is used in error messages.
+
+    Raises ManifestError (malformed), UnsupportedVersionError, UnknownKeyError, SignatureError
+    (bad signature or any tampered field) or ReplayError (step <= newer_than).
+    """
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{name}: expected a JSON object")
+    version = raw.get("format_version")
+    if version != MANIFEST_VERSION:
+        raise UnsupportedVersionError(
+            f"{name}: manifest format_version {version!r} is not supported (this pulsesync reads {MANIFEST_VERSION})"
+        )
+    kid, signature = raw.get("key_id"), raw.get("signature")
+    if not isinstance(kid, str) or not isinstance(signature, str) or not signature:
+        raise ManifestError(f"{name}: missing key_id or signature (unsigned manifest)")
+    public_key = trusted.get(kid)
+    if public_key is None:
+        raise UnknownKeyError(f"{name}: signed by key {kid}, which is not among the {len(trusted)} trusted key(s)")
+    payload = canonical_json({k: v for k, v in raw.items() if k != "signature"})
+    signing.verify(public_key, payload, signature, name)
+    try:
+        manifest = _MANIFEST.validate_python(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ManifestError(f"{name}: field {where}: {err['msg']}") from None
+    if newer_than is not None and manifest.step <= newer_than:
+        raise ReplayError(f"{name}: step {manifest.step} is not newer than the held step {newer_than} (replay)")
+    return manifest

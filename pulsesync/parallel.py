@@ -1,0 +1,45 @@
+"""One process-wide thread pool for CPU work that releases the GIL (torch, numpy, zstd, hashing)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def default_threads() -> int:
+    """Worker threads to use: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(default_threads(), thread_name_prefix="pulsesync")
+        return _pool
+
+
+def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None) -> Iterator[R]:
+    """Map fn over items in order; inline when threads == 1, else on the shared pool.
+
+    Tasks must not call parallel_map themselves (the pool is bounded, nesting could deadlock).
+    """
+    if threads == 1:
+        return map(fn, items)
+    if threads is None or threads == default_threads():
+        return _shared_pool().map(fn, items)
+    # An explicit, different width: a short-lived pool of exactly that size.
+    with ThreadPoolExecutor(threads, thread_name_prefix="pulsesync") as pool:
+        return iter(list(pool.map(fn, items)))
