@@ -57,7 +57,7 @@ class ManifestError(IntegrityError):
     exit_code = 9
 
 
-class UnsupportedVersionError(ManifestError):
+class UnsupportedVersionError(IntegrityError):
     """A patch or manifest has a format version this pulsesync cannot read."""
 
     exit_code = 10

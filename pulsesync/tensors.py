@@ -93,12 +93,16 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
     Copies only when the tensor is not contiguous.
     """
     info = dtype_info(t.dtype)
+    if t.numel() == 0:  # empty tensors may carry strides that forbid reinterpreting views
+        return torch.empty(0, dtype=info.int_dtype, device=t.device)
     return t.contiguous().reshape(-1).view(info.int_dtype)
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """Flat C-order uint8 view of a tensor's raw bytes (little-endian)."""
     dtype_info(t.dtype)
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

@@ -23,6 +23,7 @@ from pulsesync.codec.format import (
     ValueCoding,
     parse_header,
     parse_record_header,
+    payload_hash,
 )
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import CorruptPatchError, IntegrityError
@@ -67,22 +68,22 @@ class PatchRecord:
         elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):
             assert self.values is not None
             target = device or _state_device(state)
-            tensor = torch.from_numpy(self.values).view(h.dtype.torch_dtype).reshape(h.shape)
+            tensor = torch.from_numpy(self.values).view(h.info.torch_dtype).reshape(h.shape)
             state[h.name] = tensor.to(target)
         else:
             assert self.values is not None
             tensor = state[h.name]
             if not tensor.is_contiguous():
                 raise CorruptPatchError(f"tensor {h.name!r} must be contiguous to be patched in place")
-            chunk = tensor.view(-1).view(h.dtype.int_dtype)[h.start : h.start + h.length]
+            chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
             coded = torch.from_numpy(self.values).to(chunk.device)
             if h.kind == RecordKind.DENSE:
-                chunk.copy_(bits.decode_values(chunk, coded, h.dtype, h.coding))
+                chunk.copy_(bits.decode_values(chunk, coded, h.info, h.coding))
             else:
                 assert self.positions is not None
                 index = torch.from_numpy(self.positions).to(chunk.device)
                 old = chunk.index_select(0, index)
-                chunk.index_copy_(0, index, bits.decode_values(old, coded, h.dtype, h.coding))
+                chunk.index_copy_(0, index, bits.decode_values(old, coded, h.info, h.coding))
 
 
 def _state_device(state: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -102,16 +103,17 @@ def check_target(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> N
         raise CorruptPatchError(f"record {h.kind.name} targets tensor {h.name!r}, which the state lacks")
     if h.kind in (RecordKind.SPARSE, RecordKind.DENSE):
         t = state[h.name]
-        if t.dtype != h.dtype.torch_dtype or tuple(t.shape) != h.shape:
+        if t.dtype != h.info.torch_dtype or tuple(t.shape) != h.shape:
             raise CorruptPatchError(
-                f"record for tensor {h.name!r} expects {h.dtype.name}{list(h.shape)}, the state has {describe(t)}"
+                f"record for tensor {h.name!r} expects {h.info.name}{list(h.shape)}, the state has {describe(t)}"
             )
 
 
 def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
     """Decompress and unpack one record's payload (sizes are exact or CorruptPatchError)."""
-    if h.raw_len == 0:
-        return PatchRecord(h, None, None)
+    if h.raw_len == 0:  # END/REMOVE, or an added/replaced empty tensor
+        empty = np.empty(0, _NP_INT[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
+        return PatchRecord(h, None, empty)
     where = f"record for tensor {h.name!r} at element {h.start}"
     try:
         declared = zstandard.frame_content_size(payload)
@@ -135,11 +137,11 @@ def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
 
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
     """n coded values (signed ints of the dtype's width) from byte planes or packed codes."""
-    np_int = _NP_INT[h.dtype.width]
+    np_int = _NP_INT[h.info.width]
     if not h.coding.packed:
         return bits.from_planes(buf, n, np_int)
     packed_len = (n + 3) // 4
-    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, _NP_UINT[h.dtype.width])
+    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, _NP_UINT[h.info.width])
     values = bits.unpack_small(buf[:packed_len], n, escaped, offset, where)
     return bits.unzigzag(values, np_int) if h.coding == ValueCoding.DELTA else values.view(np_int)
 
@@ -192,7 +194,10 @@ class PatchDecoder:
                     break
                 self._admit(h)
                 if h.kind != RecordKind.END:
-                    out.append((h, memoryview(bytes(view[payload_start : payload_start + h.comp_len]))))
+                    payload = bytes(view[payload_start : payload_start + h.comp_len])
+                    if payload_hash(payload) != h.payload_hash:
+                        raise CorruptPatchError(f"record for tensor {h.name!r}: payload hash mismatch (corrupted)")
+                    out.append((h, memoryview(payload)))
                 offset = payload_start + h.comp_len
             if self.done and offset != len(view):
                 raise CorruptPatchError("patch has trailing bytes after its end record")

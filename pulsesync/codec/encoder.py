@@ -13,10 +13,12 @@ import zstandard
 from pulsesync.codec import bits
 from pulsesync.codec.format import (
     PatchHeader,
+    RecordHeader,
     RecordKind,
     ValueCoding,
     encode_header,
     encode_record_header,
+    payload_hash,
     raw_len_for,
 )
 from pulsesync.codec.params import CodecParams
@@ -66,10 +68,11 @@ def _record(
     if raw_len:
         stream = _compressor(params.zstd_level).compressobj(size=raw_len)
         payload = b"".join([stream.compress(p) for p in parts] + [stream.flush()])
-    head = encode_record_header(
-        kind, name, info, shape, coding, start, length, count, escapes, value_escapes, raw_len, len(payload)
+    head = RecordHeader(
+        kind, name, info, shape, coding, start, length, count, escapes, value_escapes, raw_len, len(payload),
+        payload_hash(payload),
     )
-    return _Record(head + payload, count, raw_len)
+    return _Record(encode_record_header(head) + payload, count, raw_len)
 
 
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
@@ -173,13 +176,12 @@ def encode_patch(
         changed_elements=sum(r.changed for r in records),
         dense_bytes=sum(t.numel() * t.element_size() for t in new.values()),
     )
-    end = encode_record_header(RecordKind.END, "", None, (), ValueCoding.RAW, 0, 0, len(records), 0, 0, 0, 0)
+    end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)))
     return b"".join([encode_header(header), *(r.data for r in records), end])
 
 
 def _removal(name: str) -> _Record:
-    head = encode_record_header(RecordKind.REMOVE, name, None, (), ValueCoding.RAW, 0, 0, 0, 0, 0, 0, 0)
-    return _Record(head, 0, 0)
+    return _Record(encode_record_header(RecordHeader(RecordKind.REMOVE, name, None)), 0, 0)
 
 
 def _chunk_tasks(

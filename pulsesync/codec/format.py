@@ -4,8 +4,9 @@
     preamble = MAGIC(8) version:u16 flags:u16 header_len:u32
     record   = fixed name shape checksum:u32 payload(comp_len bytes: one zstd frame, or empty)
 
-All integers little-endian. Every header carries an xxh32/xxh3 checksum and every payload is a
-zstd frame with a content checksum, so a flipped byte anywhere is caught while decoding.
+All integers little-endian. The patch header carries an xxh3-64 checksum, each record header an
+xxh32 checksum and the xxh3-64 of its compressed payload, and each payload is a zstd frame with a
+content checksum: a flipped byte anywhere is caught while parsing, before anything is written.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ FORMAT_VERSION = 1
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_CHECKSUM = struct.Struct("<Q")
 RECORD_MAGIC = b"PR"
-# magic kind dtype ndim coding name_len start length count escapes value_escapes raw_len comp_len
-RECORD_FIXED = struct.Struct("<2sBBBBHQQQQQQQ")
+# magic kind dtype ndim coding name_len start length count escapes value_escapes raw_len comp_len payload_hash
+RECORD_FIXED = struct.Struct("<2sBBBBHQQQQQQQQ")
 RECORD_CHECKSUM = struct.Struct("<I")
 
 # Sanity limits: generous for any real model, small enough that a lying header cannot make the
@@ -83,20 +84,28 @@ class PatchHeader(BaseModel):
 
 @dataclass(frozen=True)
 class RecordHeader:
-    """One record's fixed fields, validated for internal consistency."""
+    """One record's fields (validated for internal consistency when parsed)."""
 
     kind: RecordKind
     name: str
-    dtype: DTypeInfo
-    shape: tuple[int, ...]
-    coding: ValueCoding
-    start: int
-    length: int
-    count: int
-    escapes: int  # position gaps too large for u16
-    value_escapes: int  # packed values too large for a 2-bit code
-    raw_len: int
-    comp_len: int
+    dtype: DTypeInfo | None  # None only for END and REMOVE records
+    shape: tuple[int, ...] = ()
+    coding: ValueCoding = ValueCoding.RAW
+    start: int = 0
+    length: int = 0
+    count: int = 0  # changed elements (END: number of records before it)
+    escapes: int = 0  # position gaps too large for u16
+    value_escapes: int = 0  # packed values too large for a 2-bit code
+    raw_len: int = 0
+    comp_len: int = 0
+    payload_hash: int = 0  # xxh3-64 of the compressed payload
+
+    @property
+    def info(self) -> DTypeInfo:
+        """The dtype of a record that carries values."""
+        if self.dtype is None:
+            raise CorruptPatchError(f"{self.kind.name} record for {self.name!r} has no dtype")
+        return self.dtype
 
     @property
     def numel(self) -> int:
@@ -162,39 +171,32 @@ def raw_len_for(
     return 0
 
 
-def encode_record_header(
-    kind: RecordKind,
-    name: str,
-    dtype: DTypeInfo | None,
-    shape: tuple[int, ...],
-    coding: ValueCoding,
-    start: int,
-    length: int,
-    count: int,
-    escapes: int,
-    value_escapes: int,
-    raw_len: int,
-    comp_len: int,
-) -> bytes:
+def encode_record_header(h: RecordHeader) -> bytes:
     """Fixed fields, name, shape and checksum of one record."""
-    name_bytes = name.encode("utf-8")
+    name_bytes = h.name.encode("utf-8")
     fixed = RECORD_FIXED.pack(
         RECORD_MAGIC,
-        kind,
-        dtype.code if dtype else 0,
-        len(shape),
-        coding,
+        h.kind,
+        h.dtype.code if h.dtype else 0,
+        len(h.shape),
+        h.coding,
         len(name_bytes),
-        start,
-        length,
-        count,
-        escapes,
-        value_escapes,
-        raw_len,
-        comp_len,
+        h.start,
+        h.length,
+        h.count,
+        h.escapes,
+        h.value_escapes,
+        h.raw_len,
+        h.comp_len,
+        h.payload_hash,
     )
-    body = fixed + name_bytes + struct.pack(f"<{len(shape)}Q", *shape)
+    body = fixed + name_bytes + struct.pack(f"<{len(h.shape)}Q", *h.shape)
     return body + RECORD_CHECKSUM.pack(xxhash.xxh32_intdigest(body))
+
+
+def payload_hash(payload: bytes | memoryview) -> int:
+    """The hash a record header keeps of its compressed payload (0 for none)."""
+    return xxhash.xxh3_64_intdigest(payload) if len(payload) else 0
 
 
 def parse_record_header(buf: bytes | bytearray | memoryview, offset: int) -> tuple[RecordHeader, int] | None:
@@ -204,9 +206,7 @@ def parse_record_header(buf: bytes | bytearray | memoryview, offset: int) -> tup
     """
     if len(buf) - offset < RECORD_FIXED.size:
         return None
-    (magic, kind, dcode, ndim, coding, name_len, start, length, count, escapes, value_escapes, raw_len, comp_len) = (
-        RECORD_FIXED.unpack_from(buf, offset)
-    )
+    (magic, kind, dcode, ndim, coding, name_len, *sizes) = RECORD_FIXED.unpack_from(buf, offset)
     where = f"record at byte {offset}"
     if magic != RECORD_MAGIC:
         raise CorruptPatchError(f"{where}: bad record magic (corrupted or misaligned patch)")
@@ -234,9 +234,7 @@ def parse_record_header(buf: bytes | bytearray | memoryview, offset: int) -> tup
     info = dtype_by_code(dcode)
     if info is None and rkind not in (RecordKind.END, RecordKind.REMOVE):
         raise CorruptPatchError(f"{where}: unknown dtype code {dcode}")
-    header = RecordHeader(
-        rkind, name, info, shape, rcoding, start, length, count, escapes, value_escapes, raw_len, comp_len  # type: ignore[arg-type]
-    )
+    header = RecordHeader(rkind, name, info, shape, rcoding, *sizes)
     _check_record(header, where)
     return header, body_end + RECORD_CHECKSUM.size
 
@@ -263,7 +261,7 @@ def _check_record(h: RecordHeader, where: str) -> None:
     coded = h.count if h.kind == RecordKind.SPARSE else h.length
     if h.value_escapes > (coded if h.coding.packed else 0):
         raise CorruptPatchError(f"{where}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")
-    expected = raw_len_for(h.kind, h.coding, h.dtype.width, h.length, h.count, h.escapes, h.value_escapes)
+    expected = raw_len_for(h.kind, h.coding, h.info.width, h.length, h.count, h.escapes, h.value_escapes)
     if h.raw_len != expected:
         raise CorruptPatchError(f"{where}: declares {h.raw_len} decoded bytes, its fields imply {expected}")
     if (h.comp_len == 0) != (h.raw_len == 0):

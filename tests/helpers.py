@@ -1,0 +1,113 @@
+"""Shared test helpers: bit-exact comparison and Hypothesis strategies for random states."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from pulsesync.tensors import DTYPES, DTypeInfo
+
+_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+# Bit patterns every float codec must survive: NaNs (quiet, signalling, negative), +-Inf, -0.0,
+# smallest denormals, largest finite values.
+SPECIAL_FLOATS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-45, -1e-45, 5e-324, 3.4e38, -3.4e38]
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes as a flat uint8 tensor (C order)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, name: str = "") -> None:
+    """Same dtype, shape and raw bytes: the codec's contract, never a tolerance."""
+    assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert torch.equal(bits_of(a), bits_of(b)), f"{name}: raw bytes differ"
+
+
+def assert_states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same names and bitwise-equal tensors."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert_bits_equal(a[name], b[name], name)
+
+
+def random_bits(rng: np.random.Generator, info: DTypeInfo, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `info`'s dtype with uniformly random bit patterns (any NaN payload included)."""
+    n = int(np.prod(shape)) if shape else 1
+    if n == 0:
+        return torch.empty(shape, dtype=info.torch_dtype)
+    raw = rng.integers(0, 256, size=n * info.width, dtype=np.uint8)
+    t = torch.from_numpy(raw).view(info.torch_dtype).reshape(shape)
+    if info.torch_dtype == torch.bool:
+        t = torch.from_numpy(raw % 2 == 1).reshape(shape)  # bool storage must hold 0 or 1
+    return t
+
+
+def mutate(rng: np.random.Generator, base: torch.Tensor, density: float) -> torch.Tensor:
+    """A copy of base with about `density` of its elements changed: ULP moves, specials, random bits."""
+    info = next(d for d in DTYPES if d.torch_dtype == base.dtype)
+    new = base.clone()
+    flat = new.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return new
+    mask = torch.from_numpy(rng.random(n) < density)
+    if info.torch_dtype == torch.bool:
+        flat[mask] = ~flat[mask]
+        return new
+    ints = flat.view(info.int_dtype)
+    moves = torch.from_numpy(rng.choice([-2, -1, 1, 2, 7], size=n).astype(_NP_INT[info.width]))
+    kind = torch.from_numpy(rng.integers(0, 4, size=n))
+    ulp = mask & (kind < 2)
+    ints[ulp] = ints[ulp] + moves[ulp]  # wraps in the integer type: still a valid bit pattern
+    rand = mask & (kind == 2)
+    ints[rand] = random_bits(rng, info, (n,)).view(info.int_dtype)[rand]
+    special = mask & (kind == 3)
+    if info.is_float and bool(special.any()):
+        values = torch.tensor(rng.choice(SPECIAL_FLOATS, size=int(special.sum())), dtype=torch.float64)
+        ints[special] = values.to(info.torch_dtype).view(info.int_dtype)  # fp8 has no masked_fill
+    return new
+
+
+@st.composite
+def shapes(draw: st.DrawFn, max_numel: int = 4096) -> tuple[int, ...]:
+    """0-d, empty and small multi-dimensional shapes."""
+    ndim = draw(st.integers(0, 3))
+    dims = draw(st.lists(st.integers(0, 64), min_size=ndim, max_size=ndim))
+    while dims and int(np.prod(dims)) > max_numel:
+        dims[dims.index(max(dims))] //= 2
+    return tuple(dims)
+
+
+@st.composite
+def state_pairs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base, new): random tensors of every dtype, random densities 0..1, plus added, removed
+    and re-shaped/re-typed tensors."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    names = draw(st.lists(st.text("abcxyz._0123", min_size=1, max_size=8), min_size=1, max_size=5, unique=True))
+    base: dict[str, torch.Tensor] = {}
+    new: dict[str, torch.Tensor] = {}
+    for name in names:
+        info = draw(st.sampled_from(DTYPES))
+        shape = draw(shapes())
+        fate = draw(st.sampled_from(["patch"] * 6 + ["add", "remove", "replace"]))
+        tensor = random_bits(rng, info, shape)
+        if fate != "add":
+            base[name] = tensor
+        if fate == "patch":
+            density = draw(st.sampled_from([0.0, 0.001, 0.01, 0.3, 0.7, 1.0]))
+            new[name] = mutate(rng, tensor, density)
+        elif fate in ("add", "replace"):
+            info2 = draw(st.sampled_from(DTYPES))
+            new[name] = random_bits(rng, info2, draw(shapes()))
+            if fate == "replace" and new[name].dtype == tensor.dtype and new[name].shape == tensor.shape:
+                new[name] = random_bits(rng, info2, (*new[name].shape, 2))
+    return base, new
+
+
+def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A deep copy (the working copy a subscriber patches)."""
+    return {n: t.clone() for n, t in state.items()}

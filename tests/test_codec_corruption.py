@@ -1,0 +1,263 @@
+"""Malformed patches raise specific errors, never write out of bounds, never over-allocate.
+
+Lies are crafted with valid checksums (re-serialized by the format functions) so that they test
+the decoder's consistency checks, not just its checksums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, apply_patch, encode_patch, read_header
+from pulsesync.codec.format import PatchHeader, RecordHeader, ValueCoding, encode_header, encode_record_header, payload_hash, raw_len_for
+from pulsesync.digest import state_digest
+from pulsesync.errors import CorruptPatchError, IntegrityError, UnsupportedVersionError
+from pulsesync.tensors import dtype_info
+from tests.helpers import assert_states_equal, clone_state, mutate, random_bits
+
+BF16 = dtype_info(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(11)
+    base = {
+        "dense": random_bits(rng, BF16, (64,)),
+        "gone": random_bits(rng, dtype_info(torch.float32), (8,)),
+        "sparse": random_bits(rng, BF16, (3000,)),
+    }
+    new = {
+        "added": random_bits(rng, dtype_info(torch.int32), (4, 4)),
+        "dense": mutate(rng, base["dense"], 1.0),
+        "sparse": mutate(rng, base["sparse"], 0.03),
+    }
+    return base, new
+
+
+@pytest.fixture(scope="module")
+def patch(pair) -> bytes:
+    return encode_patch(*pair, CodecParams(chunk_elements=1024))
+
+
+def _records(patch: bytes) -> tuple[PatchHeader, list[tuple[RecordHeader, bytes]]]:
+    decoder = PatchDecoder()
+    records = [(h, bytes(p)) for h, p in decoder.split(patch)]
+    return decoder.finish(), records
+
+
+def _assemble(header: PatchHeader, records: list[tuple[RecordHeader, bytes]], end_count: int | None = None) -> bytes:
+    """Re-serialize a patch from (possibly lying) fields, with correct checksums."""
+    parts = [encode_header(header)]
+    parts += [encode_record_header(h) + payload for h, payload in records]
+    count = len(records) if end_count is None else end_count
+    parts.append(encode_record_header(RecordHeader(RecordKind.END, "", None, count=count)))
+    return b"".join(parts)
+
+
+def _lie(patch: bytes, name: str, **fields: object) -> bytes:
+    header, records = _records(patch)
+    records = [(dataclasses.replace(h, **fields) if h.name == name else h, p) for h, p in records]
+    return _assemble(header, records)
+
+
+def _expect(error: type[Exception], base: dict, patch: bytes, match: str | None = None) -> None:
+    with pytest.raises(error, match=match):
+        apply_patch(clone_state(base), patch)
+
+
+def test_reassembly_is_faithful(pair, patch) -> None:
+    assert _assemble(*_records(patch)) == patch
+
+
+def test_truncated_at_every_length_raises_and_leaves_state_untouched(pair, patch) -> None:
+    base, _ = pair
+    for cut in range(len(patch)):
+        work = clone_state(base)
+        with pytest.raises(CorruptPatchError):
+            apply_patch(work, patch[:cut])
+        assert_states_equal(work, base)  # framing is validated before anything is written
+
+
+def test_streaming_decoder_reports_truncation(patch) -> None:
+    decoder = PatchDecoder()
+    decoder.feed(patch[:-5])
+    with pytest.raises(CorruptPatchError, match="truncated"):
+        decoder.finish()
+
+
+def test_every_flipped_byte_is_caught(pair, patch) -> None:
+    base, _ = pair
+    for i in range(len(patch)):
+        corrupted = bytearray(patch)
+        corrupted[i] ^= 0xFF
+        with pytest.raises((CorruptPatchError, UnsupportedVersionError)):
+            apply_patch(clone_state(base), bytes(corrupted))
+
+
+def test_random_single_bit_flips_are_caught(pair, patch) -> None:
+    base, _ = pair
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        corrupted = bytearray(patch)
+        corrupted[int(rng.integers(len(patch)))] ^= 1 << int(rng.integers(8))
+        with pytest.raises(IntegrityError):
+            apply_patch(clone_state(base), bytes(corrupted))
+
+
+def test_version_and_magic(pair, patch) -> None:
+    base, _ = pair
+    _expect(CorruptPatchError, base, b"NOTAPATCH" + patch[9:], "magic")
+    bumped = bytearray(patch)
+    bumped[8] = 2  # format version u16 at offset 8; the header checksum is checked after the version
+    _expect(UnsupportedVersionError, base, bytes(bumped), "version 2")
+
+
+def test_trailing_bytes(pair, patch) -> None:
+    _expect(CorruptPatchError, pair[0], patch + b"\x00", "trailing")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"count": 5000}, "do not fit"),
+        ({"raw_len": 1 << 40}, "decoded bytes"),
+        ({"escapes": 3}, "decoded bytes"),
+        ({"start": 2500}, "outside the tensor"),
+        ({"shape": (3000, 1)}, "expects BF16"),
+        ({"coding": ValueCoding.RAW}, "escaped values|decoded bytes"),
+    ],
+)
+def test_record_field_lies(pair, patch, fields: dict, match: str) -> None:
+    _expect(CorruptPatchError, pair[0], _lie(patch, "sparse", **fields), match)
+
+
+def test_consistent_size_lie_is_caught_by_the_frame(pair, patch) -> None:
+    header, records = _records(patch)
+    # count, raw_len and the header total agree with each other, not with the zstd frame's content.
+    lied = []
+    for h, p in records:
+        if h.name == "sparse" and h.kind == RecordKind.SPARSE:
+            count = h.count + 4
+            raw_len = raw_len_for(h.kind, h.coding, h.info.width, h.length, count, h.escapes, h.value_escapes)
+            header = header.model_copy(update={"decoded_bytes": header.decoded_bytes + raw_len - h.raw_len})
+            h = dataclasses.replace(h, count=count, raw_len=raw_len)
+        lied.append((h, p))
+    _expect(CorruptPatchError, pair[0], _assemble(header, lied), "frame declares")
+
+
+def test_huge_declared_tensor_is_refused_before_allocation(pair, patch) -> None:
+    base, _ = pair
+    header, records = _records(patch)
+    numel = 1 << 40  # 4 TiB of int32 if anyone believed it
+    records = [
+        (dataclasses.replace(h, shape=(numel,), length=numel, count=numel, raw_len=4 * numel), p)
+        if h.name == "added"
+        else (h, p)
+        for h, p in records
+    ]
+    # First with the header's honest total: the record exceeds the patch's declared decoded bytes.
+    _expect(CorruptPatchError, base, _assemble(header, records), "exceeds the patch's declared")
+    # Then with a header that lies too: the zstd frame's real content size gives it away.
+    liar = header.model_copy(update={"decoded_bytes": header.decoded_bytes + 4 * numel})
+    tracemalloc.start()
+    _expect(CorruptPatchError, base, _assemble(liar, records), "frame declares")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 2 * header.decoded_bytes + (1 << 20)  # nothing near the claimed size was allocated
+
+
+def test_max_decoded_bytes_limit(pair, patch) -> None:
+    with pytest.raises(CorruptPatchError, match="above the limit"):
+        apply_patch(clone_state(pair[0]), patch, max_decoded_bytes=10)
+
+
+def test_record_count_and_order_lies(pair, patch) -> None:
+    base, _ = pair
+    header, records = _records(patch)
+    _expect(CorruptPatchError, base, _assemble(header, records, end_count=len(records) + 1), "end record counts")
+    _expect(CorruptPatchError, base, _assemble(header, records[:-1]), "end record counts")
+    swapped = [records[1], records[0], *records[2:]]
+    _expect(CorruptPatchError, base, _assemble(header, swapped), "out of order")
+    duplicated = [records[0], *records]
+    more = header.model_copy(update={"records": header.records + 1, "decoded_bytes": 2 * header.decoded_bytes})
+    _expect(CorruptPatchError, base, _assemble(more, duplicated), "out of order")
+
+
+def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int = 1024) -> bytes:
+    """A hand-made SPARSE record for tensor 'sparse' with the given u16 gaps and escapes."""
+    n = len(gaps)
+    gap_arr = np.array(gaps, np.uint16)
+    planes = gap_arr.view(np.uint8).reshape(-1, 2).T.tobytes()
+    values = np.zeros((n + 3) // 4, np.uint8).tobytes()  # codes 0: sym 0 -> zigzag 1 -> delta -1
+    payload_raw = planes + np.array(escapes, "<u8").tobytes() + values
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
+    h = RecordHeader(
+        RecordKind.SPARSE, "sparse", BF16, (3000,), ValueCoding.DELTA, 0, length, n, len(escapes), 0,
+        len(payload_raw), len(payload), payload_hash(payload),
+    )
+    header = PatchHeader(
+        value_coding="delta", zstd_level=1, chunk_elements=1024, digest_algorithm="xxh3-128",
+        base_digest=state_digest(base).root, state_digest="0" * 32, records=1, decoded_bytes=len(payload_raw),
+        changed_elements=n, dense_bytes=0,
+    )
+    return _assemble(header, [(h, payload)])
+
+
+def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair) -> None:
+    base, _ = pair
+    for gaps, escapes, match in [
+        ([0, 1023], [], "outside the chunk"),  # positions 0 and 1024 in a chunk of 1024
+        ([0xFFFF], [5000], "exceeds the chunk"),  # escaped gap beyond the chunk
+        ([0xFFFF, 0xFFFF], [600, 600], "exceeds the chunk"),  # each fits, together they do not
+        ([0xFFFF], [], "decoded bytes|escape count"),  # an escape mark without its escape
+    ]:
+        work = clone_state(base)
+        with pytest.raises(CorruptPatchError, match=match):
+            apply_patch(work, _sparse_patch(base, gaps, escapes))
+        assert_states_equal(work, base)
+    # The same hand-made record with valid positions applies (so the checks above are the cause).
+    work = clone_state(base)
+    with pytest.raises(IntegrityError, match="promises"):  # its state digest is deliberately wrong
+        apply_patch(work, _sparse_patch(base, [0, 10], []))
+    expected = base["sparse"].view(torch.int16)[[0, 11]]
+    assert not torch.equal(work["sparse"].view(torch.int16)[[0, 11]], expected)
+
+
+def test_wrong_base_is_refused_before_writing(pair, patch) -> None:
+    base, new = pair
+    other = clone_state(base)
+    other["sparse"].view(torch.int16)[7] += 1
+    work = clone_state(other)
+    with pytest.raises(IntegrityError, match="made against state digest") as info:
+        apply_patch(work, patch)
+    assert not isinstance(info.value, CorruptPatchError)
+    assert_states_equal(work, other)
+
+
+def test_result_digest_mismatch(pair, patch) -> None:
+    header, records = _records(patch)
+    wrong = header.model_copy(update={"state_digest": "f" * 32})
+    _expect(IntegrityError, pair[0], _assemble(wrong, records), "promises")
+
+
+def test_patch_applies_only_to_matching_tensor_layout(pair, patch) -> None:
+    base, _ = pair
+    reshaped = clone_state(base)
+    reshaped["sparse"] = reshaped["sparse"].reshape(3, 1000)
+    digest = state_digest(base)  # pretend the caller's digest is stale: layout checks still hold
+    with pytest.raises(CorruptPatchError, match="expects BF16"):
+        apply_patch(reshaped, patch, base_digest=digest)
+
+
+def test_header_declares_stats(pair, patch) -> None:
+    base, new = pair
+    header = read_header(patch)
+    assert header.base_digest == state_digest(base).root
+    assert header.state_digest == state_digest(new).root
+    assert header.dense_bytes == sum(t.numel() * t.element_size() for t in new.values())

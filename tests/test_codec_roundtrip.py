@@ -1,0 +1,134 @@
+"""The codec is lossless by construction: apply(base, encode(base, new)) is bitwise new."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, apply_patch, encode_patch, read_header
+from pulsesync.digest import state_digest
+from pulsesync.tensors import DTYPES, dtype_info
+from tests.helpers import assert_bits_equal, assert_states_equal, clone_state, mutate, random_bits, state_pairs
+
+CODINGS = ["delta", "raw", "xor"]
+LEVELS = [-5, 1, 3, 19]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pair=state_pairs(), coding=st.sampled_from(CODINGS), level=st.sampled_from(LEVELS))
+def test_roundtrip_any_state(pair: tuple[dict, dict], coding: str, level: int) -> None:
+    base, new = pair
+    params = CodecParams(value_coding=coding, zstd_level=level, chunk_elements=1024)
+    patch = encode_patch(base, new, params)
+    work = clone_state(base)
+    digest = apply_patch(work, patch)
+    assert_states_equal(work, new)
+    assert digest is not None and digest.root == state_digest(new).root
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), coding=st.sampled_from(CODINGS), threads=st.sampled_from([1, 2]))
+def test_streaming_decoder_matches_apply(seed: int, coding: str, threads: int) -> None:
+    rng = np.random.default_rng(seed)
+    info = dtype_info(torch.bfloat16)
+    base = {"w": random_bits(rng, info, (3000,)), "v": random_bits(rng, info, (50, 7))}
+    new = {n: mutate(rng, t, 0.05) for n, t in base.items()}
+    patch = encode_patch(base, new, CodecParams(value_coding=coding, chunk_elements=1024, threads=threads))
+    # Feed in random-sized pieces, applying records as soon as they complete.
+    decoder, work, offset = PatchDecoder(), clone_state(base), 0
+    while offset < len(patch):
+        size = int(rng.integers(1, 200))
+        for record in decoder.feed(patch[offset : offset + size]):
+            record.apply(work)
+        offset += size
+    header = decoder.finish()
+    assert header.changed_elements == sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in zip(base.values(), new.values()))
+    assert_states_equal(work, new)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+def test_chain_of_50_patches_reconstructs_every_step(coding: str) -> None:
+    rng = np.random.default_rng(7)
+    params = CodecParams(value_coding=coding, chunk_elements=4096)
+    states = [{"emb": random_bits(rng, dtype_info(torch.bfloat16), (64, 128)),
+               "norm": random_bits(rng, dtype_info(torch.float32), (128,)),
+               "fp8": random_bits(rng, dtype_info(torch.float8_e4m3fn), (300,))}]
+    for _ in range(50):
+        states.append({n: mutate(rng, t, 0.02) for n, t in states[-1].items()})
+    work = clone_state(states[0])
+    digest = state_digest(work)
+    for prev, nxt in zip(states, states[1:]):
+        patch = encode_patch(prev, nxt, params)
+        digest = apply_patch(work, patch, base_digest=digest)
+        assert_states_equal(work, nxt)
+
+
+def test_empty_patch_has_no_records_and_applies() -> None:
+    state = {"a": torch.randn(10), "b": torch.zeros((), dtype=torch.bfloat16)}
+    patch = encode_patch(state, clone_state(state))
+    header = read_header(patch)
+    assert (header.records, header.changed_elements, header.decoded_bytes) == (0, 0, 0)
+    work = clone_state(state)
+    apply_patch(work, patch)
+    assert_states_equal(work, state)
+
+
+@pytest.mark.parametrize("info", DTYPES, ids=lambda d: d.name)
+def test_every_dtype_all_changed_and_zero_dim(info) -> None:
+    rng = np.random.default_rng(1)
+    base = {"t": random_bits(rng, info, (33, 5)), "scalar": random_bits(rng, info, ())}
+    new = {"t": mutate(rng, base["t"], 1.0), "scalar": mutate(rng, base["scalar"], 1.0)}
+    for coding in CODINGS:
+        work = clone_state(base)
+        apply_patch(work, encode_patch(base, new, CodecParams(value_coding=coding)))
+        assert_states_equal(work, new)
+
+
+def test_non_contiguous_inputs_and_targets() -> None:
+    rng = np.random.default_rng(2)
+    base_c = random_bits(rng, dtype_info(torch.float16), (40, 30))
+    new_c = mutate(rng, base_c, 0.1)
+    base, new = {"w": base_c.t()}, {"w": new_c.t()}  # transposed views: not contiguous
+    assert not base["w"].is_contiguous()
+    work = {"w": base_c.clone().t()}
+    apply_patch(work, encode_patch(base, new))
+    assert_bits_equal(work["w"], new["w"])
+
+
+def test_dense_fallback_for_high_density_and_sparse_for_low() -> None:
+    rng = np.random.default_rng(3)
+    info = dtype_info(torch.bfloat16)
+    base = {"lora": random_bits(rng, info, (2048,)), "big": random_bits(rng, info, (2048,))}
+    new = {"lora": mutate(rng, base["lora"], 1.0), "big": mutate(rng, base["big"], 0.01)}
+    patch = encode_patch(base, new)
+    decoder = PatchDecoder()
+    kinds = {r.name: r.header.kind for r in decoder.feed(patch)}
+    assert kinds == {"lora": RecordKind.DENSE, "big": RecordKind.SPARSE}
+
+
+def test_delta_coding_beats_raw_on_ulp_moves() -> None:
+    # RL updates move mostly by one ULP: delta coding must be much smaller than PULSE's raw values.
+    rng = np.random.default_rng(4)
+    base_f = torch.from_numpy(rng.normal(0, 0.02, 1 << 20).astype(np.float32)).to(torch.bfloat16)
+    new_f = base_f.clone()
+    idx = torch.from_numpy(rng.choice(base_f.numel(), base_f.numel() // 100, replace=False))
+    new_f.view(torch.int16)[idx] += torch.from_numpy(rng.choice([-1, 1], idx.numel()).astype(np.int16))
+    sizes = {c: len(encode_patch({"w": base_f}, {"w": new_f}, CodecParams(value_coding=c))) for c in CODINGS}
+    assert sizes["delta"] < 0.6 * sizes["raw"]
+
+
+@pytest.mark.slow
+def test_tensor_larger_than_2_pow_31_elements() -> None:
+    n = (1 << 31) + 1000
+    base = {"huge": torch.zeros(n, dtype=torch.uint8)}
+    new = {"huge": base["huge"].clone()}
+    positions = torch.tensor([0, 70_000, (1 << 31) - 1, 1 << 31, n - 1])
+    new["huge"][positions] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
+    patch = encode_patch(base, new, CodecParams(chunk_elements=1 << 30))
+    assert read_header(patch).changed_elements == 5
+    work = base  # patched in place: base is not needed any more
+    apply_patch(work, patch, verify=False)
+    assert torch.equal(work["huge"], new["huge"])
