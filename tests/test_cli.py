@@ -1,0 +1,69 @@
+"""The CLI: every command listed, errors as one stderr line with a documented exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pulsesync.cli import main
+from pulsesync.errors import ALL_ERRORS
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("keygen", "demo"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["keygen", "demo"])
+def test_every_command_takes_the_common_flags(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--config", "--store", "--endpoint-url"):
+        assert flag in out
+
+
+def test_exit_codes_are_distinct() -> None:
+    codes = [e.exit_code for e in ALL_ERRORS]
+    assert len(set(codes)) == len(codes)
+    assert 0 not in codes and 2 not in codes  # 0 is success, 2 is argparse's usage error
+
+
+def test_keygen_then_conflict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keygen", "--out", str(tmp_path)]) == 0
+    assert "key id" in capsys.readouterr().out
+    assert main(["keygen", "--out", str(tmp_path)]) == 6
+    err = capsys.readouterr().err
+    assert err.startswith("pulsesync: error: ConflictError:") and err.count("\n") == 1
+
+
+def test_config_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("codec:\n  zstd_level: 99\n  bogus: 1\n")
+    assert main(["demo", "--config", str(bad)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "codec." in err
+
+
+def test_demo_small_run_is_bit_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--steps", "6", "--anchor-interval", "3", "--hidden", "64", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "both subscribers bitwise equal to the trainer" in out
+    assert "slow" in out and "fast" in out
+
+
+def test_console_script_exit_code(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pulsesync", "demo", "--store", "ftp://nowhere"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 3
+    assert run.stderr.strip().startswith("pulsesync: error: ConfigError:")
+    assert run.stderr.count("\n") == 1
