@@ -64,7 +64,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def load_config(model: type[ConfigT], path: Path | str | None = None, overrides: dict[str, Any] | None = None) -> ConfigT:
+def load_config(
+    model: type[ConfigT], path: Path | str | None = None, overrides: dict[str, Any] | None = None
+) -> ConfigT:
     """Load `model` from a YAML file (optional), then apply dotted-key overrides that are not None."""
     source = f"config file {path}" if path else "command line"
     tree: dict[str, Any] = {}

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -93,7 +93,9 @@ class _Publisher:
                 step=step,
                 objects=[ObjectRef.for_bytes(shard_key, shard)],
                 state_digest=digest,
-                sizes=Sizes(dense_bytes=dense, wire_bytes=len(shard), changed_elements=sum(t.numel() for t in state.values())),
+                sizes=Sizes(
+                    dense_bytes=dense, wire_bytes=len(shard), changed_elements=sum(t.numel() for t in state.values())
+                ),
                 created_at=utc_now(),
                 codec=AnchorFormat(shards=1),
             )
@@ -109,7 +111,7 @@ class _Subscriber:
     """Minimal verifying subscriber over the in-memory objects (the real one reads a store)."""
 
     name: str
-    trusted: dict[str, object]
+    trusted: Mapping[str, Ed25519PublicKey]
     state: dict[str, torch.Tensor] | None = None
     digest: StateDigest | None = None
     step: int = -1
@@ -124,9 +126,11 @@ class _Subscriber:
             raise IntegrityError(f"object {ref.key}: size or SHA-256 does not match its manifest")
         return data
 
-    def _manifest(self, objects: Objects, step: int, kind: layout.Kind, newer_than: int) -> PatchManifest | AnchorManifest:
+    def _manifest(
+        self, objects: Objects, step: int, kind: layout.Kind, newer_than: int
+    ) -> PatchManifest | AnchorManifest:
         key = layout.ready_key(step, kind)
-        m = verify_manifest(objects[key], self.trusted, newer_than=newer_than, name=key)  # type: ignore[arg-type]
+        m = verify_manifest(objects[key], self.trusted, newer_than=newer_than, name=key)
         self.verified += 1
         return m
 
@@ -168,7 +172,7 @@ class _Subscriber:
         return path
 
     def _chain_connects(self, objects: Objects, chain: list[int]) -> bool:
-        m = verify_manifest(objects[layout.ready_key(chain[0], "patch")], self.trusted, name="chain")  # type: ignore[arg-type]
+        m = verify_manifest(objects[layout.ready_key(chain[0], "patch")], self.trusted, name="chain")
         return isinstance(m, PatchManifest) and m.base_step == self.step
 
 
@@ -192,13 +196,15 @@ def run_demo(
     objects: Objects = {}
     shapes = llm_like_shapes(hidden, layers, vocab=96 * hidden)
     trainer = SyntheticTrainer(shapes, lr=lr, seed=seed)
-    out(f"pulsesync demo: {sum(torch.Size(s).numel() for s in shapes.values()) / 1e6:.1f}M parameters (bf16), "
-        f"AdamW lr={lr:g}, {steps} steps, anchor every {anchor_interval}; signer {signing.key_id(key.public_key())}")
+    out(
+        f"pulsesync demo: {sum(torch.Size(s).numel() for s in shapes.values()) / 1e6:.1f}M parameters (bf16), "
+        f"AdamW lr={lr:g}, {steps} steps, anchor every {anchor_interval}; signer {signing.key_id(key.public_key())}"
+    )
     for _ in range(12):  # past AdamW's first steps, whose updates are unusually dense
         trainer.step()
     publisher = _Publisher(key, objects, anchor_interval, params)
     early, late = _Subscriber("A", trusted), _Subscriber("B", trusted)
-    out(f"{'step':>5} {'published':<15} {'wire bytes':>12} {'density':>8} {'ratio':>7}  {'A path':<10} {'B path':<10}")
+    out(f"{'step':>5} {'published':<15} {'wire bytes':>12} {'density':>8} {'ratio':>7}  {'A path':<10} B path")
     dense = patch_bytes = 0
     for step in range(steps + 1):
         if step:
@@ -215,16 +221,20 @@ def run_demo(
         ratio = f"{dense / patch[0]:.0f}x" if patch else "-"
         a_path = early.sync(objects)
         b_path = late.sync(objects) if step >= late_join else "-"
-        out(f"{step:>5} {kinds:<15} {wire:>12,} {density:>8} {ratio:>7}  {a_path:<10} {b_path:<10}")
+        out(f"{step:>5} {kinds:<15} {wire:>12,} {density:>8} {ratio:>7}  {a_path:<10} {b_path}")
     ok = all(s.state is not None and _bits_equal(s.state, trainer.state()) for s in (early, late))
     full = dense * steps
     out("")
-    out(f"patches on the wire: {patch_bytes:,} bytes for {steps} steps; full checkpoints: {full:,} bytes "
-        f"-> {full / max(patch_bytes, 1):.0f}x less")
+    out(
+        f"patches on the wire: {patch_bytes:,} bytes for {steps} steps; full checkpoints: {full:,} bytes "
+        f"-> {full / max(patch_bytes, 1):.0f}x less"
+    )
     for s in (early, late):
         paths = ", ".join(f"{k} x{v}" for k, v in sorted(s.paths.items()))
-        out(f"subscriber {s.name}: step {s.step}, paths: {paths}; {s.verified} manifests verified, "
-            f"{s.downloaded:,} bytes downloaded, digest {s.digest.root if s.digest else '-'}")
+        out(
+            f"subscriber {s.name}: step {s.step}, paths: {paths}; {s.verified} manifests verified, "
+            f"{s.downloaded:,} bytes downloaded, digest {s.digest.root if s.digest else '-'}"
+        )
     verdict = "bitwise equal to the trainer" if ok else "NOT EQUAL to the trainer"
     out(f"result: both subscribers {verdict} ({time.perf_counter() - t_start:.1f}s)")
     return ok

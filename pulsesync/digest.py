@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import xxhash
@@ -25,7 +25,7 @@ _DEVICE_CHUNK_BYTES = 256 << 20
 
 
 class _Hasher(Protocol):
-    def update(self, data: bytes | memoryview) -> None: ...
+    def update(self, data: Any) -> None: ...  # any buffer: bytes, memoryview, numpy array
     def hexdigest(self) -> str: ...
 
 
@@ -75,10 +75,10 @@ def tensor_digest(t: torch.Tensor, algorithm: DigestAlgorithm = DEFAULT_ALGORITH
     hasher = _new_hasher(algorithm)
     raw = flat_bytes(t)
     if raw.device.type == "cpu":
-        hasher.update(memoryview(raw.numpy()))
+        hasher.update(raw.numpy())
     else:
-        for piece in raw.split(_DEVICE_CHUNK_BYTES):
-            hasher.update(memoryview(piece.cpu().numpy()))
+        for start in range(0, raw.numel(), _DEVICE_CHUNK_BYTES):
+            hasher.update(raw[start : start + _DEVICE_CHUNK_BYTES].cpu().numpy())
     return TensorDigest(dtype=dtype_info(t.dtype).name, shape=tuple(t.shape), digest=hasher.hexdigest())
 
 
@@ -97,5 +97,5 @@ def state_digest(
     """Digest of a whole state, hashing tensors in parallel."""
     names = sorted(state)
     digests = parallel_map(lambda n: tensor_digest(state[n], algorithm), names, threads)
-    tensors = dict(zip(names, digests))
+    tensors = dict(zip(names, digests, strict=True))
     return StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)

@@ -1,9 +1,9 @@
 """Key names in the store (pure): the protocol's prefixes, zero-padded so listing order is step order.
 
-    {prefix}/patches/{step:012d}/...        patch payload object(s)
-    {prefix}/anchors/{step:012d}/...        anchor shards, index, config files
-    {prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
-    {prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
+{prefix}/patches/{step:012d}/...        patch payload object(s)
+{prefix}/anchors/{step:012d}/...        anchor shards, index, config files
+{prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
+{prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pulsesync import signing
 from pulsesync.digest import StateDigest
 from pulsesync.errors import ManifestError, ReplayError, UnknownKeyError, UnsupportedVersionError
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION: Literal[1] = 1
 _SHA256_HEX = r"^[0-9a-f]{64}$"
 
 

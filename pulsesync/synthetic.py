@@ -12,7 +12,9 @@ import torch
 WEIGHT_STD = 0.0178
 
 
-def llm_like_shapes(hidden: int, layers: int, vocab: int, intermediate: int | None = None) -> dict[str, tuple[int, ...]]:
+def llm_like_shapes(
+    hidden: int, layers: int, vocab: int, intermediate: int | None = None
+) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes of a Llama-style decoder with one large embedding."""
     inter = intermediate or hidden * 8 // 3
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}

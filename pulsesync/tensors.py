@@ -59,8 +59,7 @@ _TABLE: list[tuple[str, int, torch.dtype, bool]] = [
 ]
 
 DTYPES: tuple[DTypeInfo, ...] = tuple(
-    DTypeInfo(name, code, dt, _INT_OF_WIDTH[dt.itemsize], is_float)
-    for name, code, dt, is_float in _TABLE
+    DTypeInfo(name, code, dt, _INT_OF_WIDTH[dt.itemsize], is_float) for name, code, dt, is_float in _TABLE
 )
 _BY_TORCH = {d.torch_dtype: d for d in DTYPES}
 _BY_CODE = {d.code: d for d in DTYPES}
@@ -72,9 +71,7 @@ def dtype_info(dtype: torch.dtype) -> DTypeInfo:
     try:
         return _BY_TORCH[dtype]
     except KeyError:
-        raise UnsupportedDtypeError(
-            f"dtype {dtype} is not supported (supported: {', '.join(_BY_NAME)})"
-        ) from None
+        raise UnsupportedDtypeError(f"dtype {dtype} is not supported (supported: {', '.join(_BY_NAME)})") from None
 
 
 def dtype_by_code(code: int) -> DTypeInfo | None:

@@ -62,7 +62,9 @@ def test_demo_small_run_is_bit_exact(capsys: pytest.CaptureFixture[str]) -> None
 def test_console_script_exit_code(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pulsesync", "demo", "--store", "ftp://nowhere"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 3
     assert run.stderr.strip().startswith("pulsesync: error: ConfigError:")

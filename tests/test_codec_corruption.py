@@ -15,7 +15,15 @@ import torch
 import zstandard
 
 from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, apply_patch, encode_patch, read_header
-from pulsesync.codec.format import PatchHeader, RecordHeader, ValueCoding, encode_header, encode_record_header, payload_hash, raw_len_for
+from pulsesync.codec.format import (
+    PatchHeader,
+    RecordHeader,
+    ValueCoding,
+    encode_header,
+    encode_record_header,
+    payload_hash,
+    raw_len_for,
+)
 from pulsesync.digest import state_digest
 from pulsesync.errors import CorruptPatchError, IntegrityError, UnsupportedVersionError
 from pulsesync.tensors import dtype_info
@@ -198,13 +206,31 @@ def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int =
     payload_raw = planes + np.array(escapes, "<u8").tobytes() + values
     payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
     h = RecordHeader(
-        RecordKind.SPARSE, "sparse", BF16, (3000,), ValueCoding.DELTA, 0, length, n, len(escapes), 0,
-        len(payload_raw), len(payload), payload_hash(payload),
+        RecordKind.SPARSE,
+        "sparse",
+        BF16,
+        (3000,),
+        ValueCoding.DELTA,
+        0,
+        length,
+        n,
+        len(escapes),
+        0,
+        len(payload_raw),
+        len(payload),
+        payload_hash(payload),
     )
     header = PatchHeader(
-        value_coding="delta", zstd_level=1, chunk_elements=1024, digest_algorithm="xxh3-128",
-        base_digest=state_digest(base).root, state_digest="0" * 32, records=1, decoded_bytes=len(payload_raw),
-        changed_elements=n, dense_bytes=0,
+        value_coding="delta",
+        zstd_level=1,
+        chunk_elements=1024,
+        digest_algorithm="xxh3-128",
+        base_digest=state_digest(base).root,
+        state_digest="0" * 32,
+        records=1,
+        decoded_bytes=len(payload_raw),
+        changed_elements=n,
+        dense_bytes=0,
     )
     return _assemble(header, [(h, payload)])
 
@@ -230,7 +256,7 @@ def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair) -> Non
 
 
 def test_wrong_base_is_refused_before_writing(pair, patch) -> None:
-    base, new = pair
+    base, _ = pair
     other = clone_state(base)
     other["sparse"].view(torch.int16)[7] += 1
     work = clone_state(other)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -45,7 +47,10 @@ def test_streaming_decoder_matches_apply(seed: int, coding: str, threads: int) -
             record.apply(work)
         offset += size
     header = decoder.finish()
-    assert header.changed_elements == sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in zip(base.values(), new.values()))
+    assert header.changed_elements == sum(
+        int((a.view(torch.int16) != b.view(torch.int16)).sum())
+        for a, b in zip(base.values(), new.values(), strict=True)
+    )
     assert_states_equal(work, new)
 
 
@@ -53,14 +58,18 @@ def test_streaming_decoder_matches_apply(seed: int, coding: str, threads: int) -
 def test_chain_of_50_patches_reconstructs_every_step(coding: str) -> None:
     rng = np.random.default_rng(7)
     params = CodecParams(value_coding=coding, chunk_elements=4096)
-    states = [{"emb": random_bits(rng, dtype_info(torch.bfloat16), (64, 128)),
-               "norm": random_bits(rng, dtype_info(torch.float32), (128,)),
-               "fp8": random_bits(rng, dtype_info(torch.float8_e4m3fn), (300,))}]
+    states = [
+        {
+            "emb": random_bits(rng, dtype_info(torch.bfloat16), (64, 128)),
+            "norm": random_bits(rng, dtype_info(torch.float32), (128,)),
+            "fp8": random_bits(rng, dtype_info(torch.float8_e4m3fn), (300,)),
+        }
+    ]
     for _ in range(50):
         states.append({n: mutate(rng, t, 0.02) for n, t in states[-1].items()})
     work = clone_state(states[0])
     digest = state_digest(work)
-    for prev, nxt in zip(states, states[1:]):
+    for prev, nxt in itertools.pairwise(states):
         patch = encode_patch(prev, nxt, params)
         digest = apply_patch(work, patch, base_digest=digest)
         assert_states_equal(work, nxt)

@@ -44,7 +44,7 @@ def test_bad_files_name_the_key(tmp_path: Path, text: str, match: str) -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="nope.yaml: cannot read"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read"):
         load_config(Config, tmp_path / "nope.yaml")
 
 

@@ -26,8 +26,13 @@ def test_parse_ready_key_round_trip_and_rejects_others() -> None:
     for kind in ("patch", "anchor"):
         entry = layout.parse_ready_key(layout.ready_key(123, kind))
         assert entry == layout.ReadyEntry(123, kind)
-    for key in ["ready/12.patch.json", "ready/000000000001.delta.json", "patches/000000000001/patch.bin",
-                "000000000001.patch.json", "ready/000000000001.patch.json.tmp"]:
+    for key in [
+        "ready/12.patch.json",
+        "ready/000000000001.delta.json",
+        "patches/000000000001/patch.bin",
+        "000000000001.patch.json",
+        "ready/000000000001.patch.json.tmp",
+    ]:
         assert layout.parse_ready_key(key) is None
 
 

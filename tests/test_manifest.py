@@ -169,9 +169,10 @@ def test_replay_is_rejected() -> None:
 
 
 def test_error_messages_name_the_object() -> None:
-    with pytest.raises(UnknownKeyError, match="ready/000000000005.patch.json"):
+    with pytest.raises(UnknownKeyError, match=r"ready/000000000005\.patch\.json"):
         verify_manifest(
-            _patch_manifest().signed(Ed25519PrivateKey.generate()).to_bytes(), TRUSTED,
+            _patch_manifest().signed(Ed25519PrivateKey.generate()).to_bytes(),
+            TRUSTED,
             name="ready/000000000005.patch.json",
         )
 

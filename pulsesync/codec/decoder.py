@@ -37,9 +37,10 @@ _local = threading.local()
 
 def _decompressor() -> zstandard.ZstdDecompressor:
     """A per-thread decompressor (zstandard decompressors are not thread-safe)."""
-    if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
-    return _local.decompressor
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if decompressor is None:
+        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,12 @@ class PatchRecord:
             chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
             coded = torch.from_numpy(self.values).to(chunk.device)
             if h.kind == RecordKind.DENSE:
-                chunk.copy_(bits.decode_values(chunk, coded, h.info, h.coding))
+                bits.decode_values_(chunk, coded, h.info, h.coding)
             else:
                 assert self.positions is not None
                 index = torch.from_numpy(self.positions).to(chunk.device)
-                old = chunk.index_select(0, index)
-                chunk.index_copy_(0, index, bits.decode_values(old, coded, h.info, h.coding))
+                values = bits.decode_values_(chunk.index_select(0, index), coded, h.info, h.coding)
+                chunk.index_copy_(0, index, values)
 
 
 def _state_device(state: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -294,7 +295,5 @@ def apply_patch(
         return None
     result = state_digest(state, header.digest_algorithm, threads)  # type: ignore[arg-type]
     if result.root != header.state_digest:
-        raise IntegrityError(
-            f"patched state has digest {result.root}, the patch promises {header.state_digest}"
-        )
+        raise IntegrityError(f"patched state has digest {result.root}, the patch promises {header.state_digest}")
     return result
