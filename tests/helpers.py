@@ -17,6 +17,8 @@ SPECIAL_FLOATS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-45, -
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
     """A tensor's raw bytes as a flat uint8 tensor (C order)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

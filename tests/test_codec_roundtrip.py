@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, apply_patch, encode_patch, read_header
@@ -19,7 +19,6 @@ CODINGS = ["delta", "raw", "xor"]
 LEVELS = [-5, 1, 3, 19]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pair=state_pairs(), coding=st.sampled_from(CODINGS), level=st.sampled_from(LEVELS))
 def test_roundtrip_any_state(pair: tuple[dict, dict], coding: str, level: int) -> None:
     base, new = pair
@@ -31,7 +30,7 @@ def test_roundtrip_any_state(pair: tuple[dict, dict], coding: str, level: int) -
     assert digest is not None and digest.root == state_digest(new).root
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1), coding=st.sampled_from(CODINGS), threads=st.sampled_from([1, 2]))
 def test_streaming_decoder_matches_apply(seed: int, coding: str, threads: int) -> None:
     rng = np.random.default_rng(seed)

@@ -69,8 +69,11 @@ class PatchRecord:
         elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):
             assert self.values is not None
             target = device or _state_device(state)
-            tensor = torch.from_numpy(self.values).view(h.info.torch_dtype).reshape(h.shape)
-            state[h.name] = tensor.to(target)
+            if self.values.size == 0:  # views of empty buffers carry strides nothing can reinterpret
+                state[h.name] = torch.empty(h.shape, dtype=h.info.torch_dtype, device=target)
+            else:
+                tensor = torch.from_numpy(self.values).view(h.info.torch_dtype).reshape(h.shape)
+                state[h.name] = tensor.to(target)
         else:
             assert self.values is not None
             tensor = state[h.name]
