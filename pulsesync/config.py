@@ -6,7 +6,7 @@ Unknown keys and bad values fail at start with a ConfigError naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlparse
 
 import yaml
@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pulsesync.codec.params import CodecParams
 from pulsesync.errors import ConfigError
+from pulsesync.store.retry import RetryPolicy
 
 STORE_SCHEMES = ("s3", "file")
 
@@ -25,6 +26,11 @@ class StoreConfig(BaseModel):
 
     url: str | None = Field(None, description="s3://bucket/prefix or file:///path/prefix")
     endpoint_url: str | None = Field(None, description="S3 endpoint for R2, MinIO or any S3-compatible server")
+    region: str | None = Field(None, description="S3 region; default from the AWS config chain")
+    addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="S3 bucket addressing")
+    part_size: int = Field(16 << 20, ge=5 << 20, description="multipart part / ranged GET size in bytes")
+    concurrency: int = Field(8, ge=1, le=256, description="parts or ranges in flight per transfer")
+    retry: RetryPolicy = Field(default_factory=RetryPolicy, description="retries of transient store errors")
 
     @field_validator("url")
     @classmethod

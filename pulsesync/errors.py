@@ -27,6 +27,12 @@ class StoreError(PulseSyncError):
     exit_code = 4
 
 
+class AccessDeniedError(StoreError):
+    """The store refused a request for lack of permission (403): never retried."""
+
+    exit_code = 16
+
+
 class NotFoundError(StoreError):
     """A key that must exist does not (e.g. pruned by retention)."""
 
@@ -97,6 +103,7 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     PulseSyncError,
     ConfigError,
     StoreError,
+    AccessDeniedError,
     NotFoundError,
     ConflictError,
     IntegrityError,

@@ -1,0 +1,178 @@
+"""The Store ABC: the only way pulsesync talks to storage (modelled on zarr-python v3's abc/store.py).
+
+A store is a flat key space under a prefix. Keys are relative to the prefix, use "/" as the
+separator and never start with "/" or contain "." or ".." segments. Every backend passes one
+conformance suite (tests/store_conformance.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO, ClassVar
+
+from pulsesync.errors import IntegrityError, NotFoundError, StoreError
+from pulsesync.store.progress import ProgressCallback
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing or head returns about one object."""
+
+    key: str
+    size: int
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of upload_file / download_file: size and the SHA-256 computed while streaming."""
+
+    key: str
+    size: int
+    sha256: str
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the prefix or alias another key; returns the key."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
+        raise StoreError(f"invalid key {key!r}: keys are relative, '/'-separated, without '.' or '..' segments")
+    return key
+
+
+class Store(ABC):
+    """Async object store. Backends set the capability flags and implement the methods."""
+
+    supports_multipart: ClassVar[bool] = False  # large uploads go up in concurrent parts
+    supports_parallel_ranged_get: ClassVar[bool] = False  # large downloads fetch ranges concurrently
+
+    url: str
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    async def close(self) -> None:  # noqa: B027 - optional hook; most backends hold nothing
+        """Release connections; the store is unusable afterwards."""
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # --- reads ---------------------------------------------------------------------------------
+    @abstractmethod
+    async def get(self, key: str) -> bytes:
+        """Whole object; NotFoundError if absent."""
+
+    @abstractmethod
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object (clamped to its size); NotFoundError if absent."""
+
+    @abstractmethod
+    def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        """The object in chunks, as they arrive; NotFoundError if absent."""
+
+    @abstractmethod
+    async def head(self, key: str) -> ObjectInfo:
+        """Size (and etag) of an object; NotFoundError if absent."""
+
+    @abstractmethod
+    def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+        """Every object whose key starts with prefix, in lexicographic key order, after start_after."""
+
+    async def exists(self, key: str) -> bool:
+        """Whether an object exists."""
+        try:
+            await self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    # --- writes --------------------------------------------------------------------------------
+    @abstractmethod
+    async def put(self, key: str, data: bytes) -> None:
+        """Create or replace an object, atomically: readers see the old or the new object."""
+
+    @abstractmethod
+    async def put_if_absent(self, key: str, data: bytes) -> None:
+        """Create an object only if no object has the key; ConflictError otherwise."""
+
+    @abstractmethod
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        """Delete objects; keys already gone are not an error."""
+
+    # --- large objects -------------------------------------------------------------------------
+    @abstractmethod
+    async def upload_file(self, key: str, path: Path, progress: ProgressCallback | None = None) -> TransferResult:
+        """Upload a local file (multipart where supported), hashing it while it streams."""
+
+    @abstractmethod
+    async def download_file(
+        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+    ) -> TransferResult:
+        """Download to a local file atomically (temp file, fsync, rename), hashing while streaming.
+
+        With expected_sha256, a mismatch raises IntegrityError and leaves no file at path.
+        """
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in a directory durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path(path: Path) -> Path:
+    """A unique hidden sibling of path for atomic writes."""
+    return path.with_name(f".{path.name}.pulsesync-tmp-{uuid.uuid4().hex}")
+
+
+def _append(f: BinaryIO, sha: hashlib._Hash, chunk: bytes) -> None:
+    f.write(chunk)
+    sha.update(chunk)
+
+
+def _finish(f: BinaryIO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+async def write_atomically(
+    key: str, path: Path, chunks: AsyncIterator[bytes], size: int, expected_sha256: str | None
+) -> TransferResult:
+    """Write chunks to a temp file beside path while hashing, check size and hash, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    sha = hashlib.sha256()
+    written = 0
+    f = open(tmp, "wb")  # noqa: SIM115 - closed by _finish or below
+    try:
+        async for chunk in chunks:
+            await asyncio.to_thread(_append, f, sha, chunk)  # hashing 16 MiB takes ~10 ms: off the loop
+            written += len(chunk)
+        await asyncio.to_thread(_finish, f)
+        digest = sha.hexdigest()
+        if written != size:
+            raise IntegrityError(f"download {key}: got {written} bytes, the object has {size}")
+        if expected_sha256 is not None and digest != expected_sha256:
+            raise IntegrityError(f"download {key}: SHA-256 {digest} does not match the expected {expected_sha256}")
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return TransferResult(key, size, digest)

@@ -1,0 +1,166 @@
+"""The one conformance suite every Store backend passes (as zarr-python's testing/store.py).
+
+A backend's test module subclasses StoreConformance and provides the `store` fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from pulsesync.errors import ConflictError, IntegrityError, NotFoundError, StoreError
+from pulsesync.store import Store, TransferProgress
+
+
+async def _keys(store: Store, prefix: str = "", start_after: str | None = None) -> list[str]:
+    return [o.key async for o in store.list(prefix, start_after)]
+
+
+class StoreConformance:
+    """Behaviour every backend must have. Subclasses define the `store` fixture."""
+
+    multipart_bytes = (64 << 20) + 12345  # above 64 MiB and not a multiple of any part size
+
+    @pytest.fixture
+    def store(self) -> Store:
+        raise NotImplementedError
+
+    async def test_put_get_head_exists(self, store: Store) -> None:
+        await store.put("a/b/c.bin", b"hello")
+        assert await store.get("a/b/c.bin") == b"hello"
+        info = await store.head("a/b/c.bin")
+        assert (info.key, info.size) == ("a/b/c.bin", 5)
+        assert await store.exists("a/b/c.bin")
+        assert not await store.exists("a/b/d.bin")
+
+    async def test_put_replaces_atomically(self, store: Store) -> None:
+        await store.put("k", b"one")
+        await store.put("k", b"two!")
+        assert await store.get("k") == b"two!"
+        assert (await store.head("k")).size == 4
+
+    async def test_missing_keys(self, store: Store) -> None:
+        for call in (store.get("nope"), store.get_range("nope", 0, 5), store.head("nope")):
+            with pytest.raises(NotFoundError, match="nope"):
+                await call
+        with pytest.raises(NotFoundError):
+            async for _ in store.stream("nope"):
+                pass
+        await store.delete_many(["nope", "also/nope"])  # deleting what is gone is fine
+
+    async def test_empty_object(self, store: Store) -> None:
+        await store.put("empty", b"")
+        assert await store.get("empty") == b""
+        assert (await store.head("empty")).size == 0
+        assert await store.get_range("empty", 0, 10) == b""
+        assert [c async for c in store.stream("empty")] in ([], [b""])
+        assert await _keys(store) == ["empty"]
+
+    async def test_ranged_reads_at_boundaries(self, store: Store) -> None:
+        data = bytes(range(256)) * 4  # 1024 bytes
+        await store.put("r", data)
+        for start, end in [(0, 0), (0, 1), (0, 1024), (1, 1023), (1023, 1024), (512, 4096), (1024, 1024), (1024, 2000)]:
+            assert await store.get_range("r", start, end) == data[start:end], (start, end)
+        with pytest.raises(ValueError):
+            await store.get_range("r", 5, 4)
+
+    async def test_stream_in_chunks(self, store: Store) -> None:
+        data = os.urandom(3 * (1 << 20) + 17)
+        await store.put("s", data)
+        chunks = [c async for c in store.stream("s", chunk_size=1 << 20)]
+        assert b"".join(chunks) == data
+        assert len(chunks) >= 3
+
+    async def test_list_is_lexicographic_with_prefix_and_start_after(self, store: Store) -> None:
+        keys = [
+            "ready/000000000010.patch.json",
+            "ready/000000000002.anchor.json",
+            "ready/000000000002.patch.json",
+            "patches/000000000002/patch.bin",
+            "anchors/000000000000/model.safetensors",
+            "readyz",
+        ]
+        await asyncio.gather(*(store.put(k, k.encode()) for k in keys))
+        assert await _keys(store) == sorted(keys)
+        assert await _keys(store, "ready/") == sorted(k for k in keys if k.startswith("ready/"))
+        assert await _keys(store, "ready") == sorted(k for k in keys if k.startswith("ready"))
+        assert await _keys(store, "ready/", "ready/000000000002.patch.json") == ["ready/000000000010.patch.json"]
+        assert await _keys(store, "nothing/") == []
+        sizes = {o.key: o.size async for o in store.list()}
+        assert sizes == {k: len(k) for k in keys}
+
+    async def test_list_paginates_past_1000(self, store: Store) -> None:
+        keys = [f"many/{i:05d}" for i in range(1100)]
+        slots = asyncio.Semaphore(32)
+
+        async def put(k: str) -> None:
+            async with slots:
+                await store.put(k, b"x")
+
+        await asyncio.gather(*(put(k) for k in keys))
+        assert await _keys(store, "many/") == keys
+        assert await _keys(store, "many/", "many/00499") == keys[500:]
+
+    async def test_delete_many(self, store: Store) -> None:
+        keys = [f"d/{i}" for i in range(5)] + ["d/sub/x"]
+        await asyncio.gather(*(store.put(k, b"1") for k in keys))
+        await store.delete_many([*keys[:3], "d/missing", "d/sub/x"])
+        assert await _keys(store, "d/") == keys[3:5]
+        await store.delete_many(keys)
+        assert await _keys(store) == []
+
+    async def test_put_if_absent(self, store: Store) -> None:
+        await store.put_if_absent("once", b"first")
+        with pytest.raises(ConflictError, match="once"):
+            await store.put_if_absent("once", b"second")
+        assert await store.get("once") == b"first"
+
+    async def test_put_if_absent_races_have_exactly_one_winner(self, store: Store) -> None:
+        # 20 rounds, each 8 writers racing for one key; the rounds run concurrently too.
+        async def attempt(key: str, writer: int) -> int | None:
+            try:
+                await store.put_if_absent(key, f"writer-{writer}".encode())
+                return writer
+            except ConflictError:
+                return None
+
+        async def race(round_: int) -> None:
+            key = f"race/{round_}"
+            winners = [w for w in await asyncio.gather(*(attempt(key, w) for w in range(8))) if w is not None]
+            assert len(winners) == 1, f"round {round_}: winners {winners}"
+            assert await store.get(key) == f"writer-{winners[0]}".encode()
+
+        await asyncio.gather(*(race(r) for r in range(20)))
+
+    async def test_invalid_keys_are_refused(self, store: Store) -> None:
+        for key in ["", "/abs", "a//b", "../escape", "a/../b", "./a"]:
+            with pytest.raises(StoreError, match="invalid key"):
+                await store.put(key, b"x")
+
+    async def test_large_upload_and_download_byte_for_byte(self, store: Store, tmp_path: Path) -> None:
+        src = tmp_path / "big.bin"
+        data = os.urandom(self.multipart_bytes)
+        src.write_bytes(data)
+        seen: list[TransferProgress] = []
+        up = await store.upload_file("big/object.bin", src, progress=seen.append)
+        assert (up.size, up.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+        assert seen and seen[-1].done == len(data) == seen[-1].total
+        assert (await store.head("big/object.bin")).size == len(data)
+        dst = tmp_path / "out" / "copy.bin"
+        down = await store.download_file("big/object.bin", dst, expected_sha256=up.sha256)
+        assert down.sha256 == up.sha256
+        assert dst.read_bytes() == data
+        assert [p.name for p in dst.parent.iterdir()] == ["copy.bin"]  # no temp files left
+
+    async def test_download_with_wrong_hash_leaves_nothing(self, store: Store, tmp_path: Path) -> None:
+        await store.put("h", b"payload")
+        dst = tmp_path / "downloads" / "h.bin"
+        with pytest.raises(IntegrityError, match="SHA-256"):
+            await store.download_file("h", dst, expected_sha256="0" * 64)
+        assert list(dst.parent.iterdir()) == []  # neither the file nor its temp file
+        with pytest.raises(NotFoundError):
+            await store.download_file("missing", dst)

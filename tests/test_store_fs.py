@@ -1,0 +1,32 @@
+"""The filesystem backend against the conformance suite, plus its on-disk guarantees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pulsesync.store import FileStore, Store
+from tests.store_conformance import StoreConformance
+
+
+class TestFileStore(StoreConformance):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return FileStore(tmp_path / "store")
+
+
+async def test_no_temp_files_remain_and_listing_skips_them(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    await store.put("a/x", b"1")
+    (tmp_path / "a" / ".x.pulsesync-tmp-deadbeef").write_bytes(b"half-written")
+    assert [o.key async for o in store.list()] == ["a/x"]
+    await store.put_if_absent("a/y", b"2")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".x.pulsesync-tmp-deadbeef", "x", "y"]
+
+
+async def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "root")
+    await store.put("patches/000000000001/patch.bin", b"p")
+    await store.delete_many(["patches/000000000001/patch.bin"])
+    assert list((tmp_path / "root").iterdir()) == []
