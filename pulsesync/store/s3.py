@@ -56,7 +56,7 @@ class S3Store(Store):
         self.retry = retry or RetryPolicy()
         self._boto_config = BotoConfig(
             region_name=region,
-            retries={"max_attempts": 1, "mode": "standard"},  # pulsesync retries, once, in retry.call
+            retries={"total_max_attempts": 1, "mode": "standard"},  # botocore tries once; retry.call retries
             s3={"addressing_style": addressing_style},
             # R2, MinIO and SeaweedFS do not all implement the newer default checksums.
             request_checksum_calculation="when_required",
@@ -93,6 +93,15 @@ class S3Store(Store):
         return await call(once, op, f"s3://{self.bucket}/{self.prefix}{key}", self.retry)
 
     # --- reads ---------------------------------------------------------------------------------
+    async def _read_chunks(self, s3: Any, key: str, **kwargs: Any) -> list[bytes]:
+        """The body as the chunks it arrived in (no joining copy), length-checked."""
+        resp = await s3.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
+        async with resp["Body"] as body:
+            chunks = [chunk async for chunk in body.iter_chunks(1 << 20)]
+        if sum(map(len, chunks)) != resp["ContentLength"]:
+            raise TruncatedBodyError(f"got {sum(map(len, chunks))} of {resp['ContentLength']} bytes")
+        return chunks
+
     async def _read(self, s3: Any, key: str, **kwargs: Any) -> bytes:
         resp = await s3.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
         async with resp["Body"] as body:
@@ -279,16 +288,16 @@ class S3Store(Store):
 
         same_version = {"IfMatch": info.etag} if info.etag else {}  # never mix two versions of the object
 
-        async def fetch(start: int, end: int) -> bytes:
-            def request(s3: Any) -> Awaitable[bytes]:
-                return self._read(s3, key, Range=f"bytes={start}-{end - 1}", **same_version)
+        async def fetch(start: int, end: int) -> list[bytes]:
+            def request(s3: Any) -> Awaitable[list[bytes]]:
+                return self._read_chunks(s3, key, Range=f"bytes={start}-{end - 1}", **same_version)
 
-            data = await self._call("get_range", key, request)
-            tracker.add(len(data))
-            return data
+            chunks = await self._call("get_range", key, request)
+            tracker.add(end - start)
+            return chunks
 
-        async def chunks() -> AsyncIterator[bytes]:
-            window: list[asyncio.Task[bytes]] = []
+        async def chunks() -> AsyncIterator[list[bytes]]:
+            window: list[asyncio.Task[list[bytes]]] = []
             pending = iter(ranges)
             try:
                 for r in pending:

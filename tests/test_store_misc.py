@@ -1,0 +1,74 @@
+"""Store plumbing: opening stores from config, key checks, progress reporting."""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+import pytest
+
+from pulsesync.config import Config, StoreConfig, load_config
+from pulsesync.errors import ConfigError, StoreError
+from pulsesync.store import FileStore, S3Store, TransferProgress, open_store
+from pulsesync.store.base import check_key
+from pulsesync.store.progress import describe, reporter
+
+
+def test_open_store_from_urls(tmp_path: Path) -> None:
+    fs = open_store(StoreConfig(url=f"file://{tmp_path}/pulse"))
+    assert isinstance(fs, FileStore) and fs.root == tmp_path / "pulse"
+    s3 = open_store(StoreConfig(url="s3://bucket/run/1/", endpoint_url="http://127.0.0.1:9000", part_size=8 << 20))
+    assert isinstance(s3, S3Store)
+    assert (s3.bucket, s3.prefix, s3.url, s3.part_size) == ("bucket", "run/1/", "s3://bucket/run/1/", 8 << 20)
+    assert open_store(StoreConfig(url="s3://bucket")).prefix == ""
+    with pytest.raises(ConfigError, match="no store configured"):
+        open_store(StoreConfig())
+
+
+def test_store_options_validate(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("store:\n  url: s3://b/p\n  part_size: 1024\n")
+    with pytest.raises(ConfigError, match=r"store\.part_size"):
+        load_config(Config, path)
+    path.write_text("store:\n  url: s3://b/p\n  retry:\n    attempts: 3\n    jitter: 1\n")
+    with pytest.raises(ConfigError, match=r"store\.retry\.jitter"):
+        load_config(Config, path)
+
+
+def test_check_key() -> None:
+    assert check_key("ready/000000000001.patch.json") == "ready/000000000001.patch.json"
+    for bad in ["", "/a", "a/", "a//b", "..", "a/../b", "./a", "a/."]:
+        with pytest.raises(StoreError, match="invalid key"):
+            check_key(bad)
+
+
+def test_progress_rate_eta_and_description() -> None:
+    p = TransferProgress("k", done=50 << 20, total=200 << 20, elapsed=2.0)
+    assert p.rate == 25 << 20
+    assert p.eta == pytest.approx(6.0)
+    assert describe(p) == "k: 50.0 MiB/200.0 MiB (25%) 25.0 MiB/s ETA 6s"
+    assert TransferProgress("k", 0, 10, 0.0).eta is None
+
+
+def test_progress_log_lines_when_not_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "pulsesync.transfer")
+    report = reporter(io.StringIO(), interval=3600)
+    for done in (10, 20, 30, 100):
+        report(TransferProgress("obj", done, 100, 1.0))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["transfer obj: 10 B/100 B (10%) 10 B/s ETA 9s", "transfer obj: 100 B/100 B (100%) 100 B/s ETA 0s"]
+
+
+def test_progress_bar_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    report = reporter(out)
+    report(TransferProgress("obj", 50, 100, 1.0))
+    report(TransferProgress("obj", 100, 100, 2.0))
+    text = out.getvalue()
+    assert text.startswith("\r[" + "#" * 15 + "." * 15 + "] obj: 50 B/100 B (50%)")
+    assert text.endswith("(100%) 50 B/s ETA 0s\x1b[K\n")
