@@ -85,11 +85,14 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--endpoint", metavar="URL", help="an S3 endpoint to use instead of a local server")
     parser.add_argument(
-        "--server", choices=["moto", "seaweedfs"], default="moto", help="local server to start (default moto)"
+        "--server",
+        choices=["seaweedfs", "moto"],
+        default="seaweedfs",
+        help="local server to start (default seaweedfs; moto copies the whole object for every ranged GET)",
     )
     parser.add_argument("--size-mib", type=int, help="object size (default 256; quick 64)")
     parser.add_argument("--reps", type=int, help="repetitions, best kept (default 3; quick 2)")
-    parser.add_argument("--part-mib", type=int, default=16, help="part / range size (default 16)")
+    parser.add_argument("--part-mib", type=int, default=8, help="part / range size (default 8)")
     parser.add_argument("--concurrency", type=int, default=8, help="parts or ranges in flight (default 8)")
     args = parser.parse_args()
     size = (args.size_mib or (64 if args.quick else 256)) << 20

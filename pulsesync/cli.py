@@ -54,6 +54,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_store(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pulsesync.store import open_store
+    from pulsesync.store.progress import reporter
+
+    config = _config(args)
+
+    async def run() -> None:
+        async with open_store(config.store) as store:
+            if args.action == "ls":
+                async for info in store.list(args.prefix):
+                    print(f"{info.size:>15,}  {info.key}")
+            elif args.action == "put":
+                done = await store.upload_file(args.key, args.file, progress=reporter())
+                print(f"uploaded {store.url}{done.key}: {done.size:,} bytes, sha256 {done.sha256}")
+            else:
+                done = await store.download_file(args.key, args.file, progress=reporter(), expected_sha256=args.sha256)
+                print(f"downloaded {store.url}{done.key} to {args.file}: {done.size:,} bytes, sha256 {done.sha256}")
+
+    asyncio.run(run())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every command."""
     common = _common_flags()
@@ -79,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_cmd_demo)
+
+    store = commands.add_parser("store", help="list, upload or download objects in the configured store")
+    actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = actions.add_parser("ls", parents=[common], help="list keys under a prefix, in order, with sizes")
+    ls.add_argument("prefix", nargs="?", default="", help="key prefix, e.g. ready/")
+    put = actions.add_parser("put", parents=[common], help="upload a file (multipart on S3), with progress")
+    put.add_argument("file", type=Path)
+    put.add_argument("key")
+    get = actions.add_parser("get", parents=[common], help="download to a file atomically, with progress")
+    get.add_argument("key")
+    get.add_argument("file", type=Path)
+    get.add_argument("--sha256", help="refuse the download unless its SHA-256 matches")
+    store.set_defaults(run=_cmd_store)
     return parser
 
 
@@ -87,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pulsesync.transfer").setLevel(min(level, logging.INFO))  # progress lines off a terminal
     try:
         result: Any = args.run(args)
         return int(result)

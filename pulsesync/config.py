@@ -28,7 +28,7 @@ class StoreConfig(BaseModel):
     endpoint_url: str | None = Field(None, description="S3 endpoint for R2, MinIO or any S3-compatible server")
     region: str | None = Field(None, description="S3 region; default from the AWS config chain")
     addressing_style: Literal["auto", "path", "virtual"] = Field("auto", description="S3 bucket addressing")
-    part_size: int = Field(16 << 20, ge=5 << 20, description="multipart part / ranged GET size in bytes")
+    part_size: int = Field(8 << 20, ge=5 << 20, description="multipart part / ranged GET size in bytes (boto3 default)")
     concurrency: int = Field(8, ge=1, le=256, description="parts or ranges in flight per transfer")
     retry: RetryPolicy = Field(default_factory=RetryPolicy, description="retries of transient store errors")
 

@@ -17,14 +17,14 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("keygen", "demo"):
+    for command in ("keygen", "demo", "store"):
         assert command in out
 
 
-@pytest.mark.parametrize("command", ["keygen", "demo"])
+@pytest.mark.parametrize("command", ["keygen", "demo", "store ls", "store put", "store get"])
 def test_every_command_takes_the_common_flags(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main([command, "--help"])
+        main([*command.split(), "--help"])
     out = capsys.readouterr().out
     for flag in ("--config", "--store", "--endpoint-url"):
         assert flag in out

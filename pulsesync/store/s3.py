@@ -41,7 +41,7 @@ class S3Store(Store):
         endpoint_url: str | None = None,
         region: str | None = None,
         addressing_style: str = "auto",
-        part_size: int = 16 << 20,
+        part_size: int = 8 << 20,
         concurrency: int = 8,
         retry: RetryPolicy | None = None,
         connect_timeout: float = 10.0,
