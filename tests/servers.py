@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,6 +70,19 @@ def moto_server() -> Iterator[str]:
         server.stop()
 
 
+def _wait_until_serving(endpoint: str, proc: subprocess.Popen[bytes], timeout: float, why: Callable[[], str]) -> None:
+    """Poll until the server creates the test bucket; RuntimeError(why()) if it dies or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            make_bucket(endpoint)
+            return
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(why()) from None
+            time.sleep(0.2)
+
+
 @contextmanager
 def moto_server_process() -> Iterator[str]:
     """moto's server in its own process (benchmarks: the client does not share its GIL)."""
@@ -83,15 +96,7 @@ def moto_server_process() -> Iterator[str]:
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                make_bucket(endpoint)
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server process did not start") from None
-                time.sleep(0.2)
+        _wait_until_serving(endpoint, proc, 60, lambda: "moto server process did not start")
         yield endpoint
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -134,17 +139,9 @@ def seaweedfs_server(workdir: Path) -> Iterator[str]:
     )
     endpoint = f"http://127.0.0.1:{ports['s3']}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                make_bucket(endpoint)
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"SeaweedFS did not start: {(workdir / 'weed.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.5)
+        _wait_until_serving(
+            endpoint, proc, 90, lambda: f"SeaweedFS did not start: {(workdir / 'weed.log').read_text()[-2000:]}"
+        )
         yield endpoint
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # weed ignores SIGINT
