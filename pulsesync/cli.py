@@ -50,6 +50,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         lr=args.lr,
         seed=args.seed,
         params=config.codec,
+        store=config.store,
     )
     return 0 if ok else 1
 
@@ -94,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.set_defaults(run=_cmd_keygen)
 
     demo = commands.add_parser(
-        "demo", parents=[common], help="run trainer, publisher and two subscribers on this machine; check bit-exactness"
+        "demo",
+        parents=[common],
+        help="run trainer, publisher and two subscribers on this machine (or --store); check bit-exactness",
     )
     demo.add_argument("--steps", type=int, default=30, help="training steps to publish (default 30)")
     demo.add_argument("--anchor-interval", type=int, default=10, metavar="K", help="anchor every K steps (default 10)")

@@ -48,3 +48,17 @@ def test_store_commands_on_the_filesystem(tmp_path: Path, capsys, caplog) -> Non
 def test_store_needs_a_store(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["store", "ls"]) == 3
     assert "no store configured" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_demo_on_s3_and_refusal_to_reuse_a_prefix(moto_endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--store", f"s3://{BUCKET}/demo", "--endpoint-url", moto_endpoint]
+    small = ["--steps", "5", "--anchor-interval", "2", "--hidden", "64", "--layers", "1"]
+    assert main(["demo", *small, *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"store s3://{BUCKET}/demo/" in out and "bitwise equal to the trainer" in out
+    assert main(["store", "ls", "ready/", *flags]) == 0
+    ready = capsys.readouterr().out.split()[1::2]
+    assert ready == sorted(ready) and len(ready) == 5 + 3  # 5 patches, anchors at 0, 2, 4
+    assert main(["demo", *small, *flags]) == 6  # ready markers are never overwritten
+    assert "already holds published steps" in capsys.readouterr().err
