@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -47,49 +47,25 @@ class _Record:
     raw_len: int
 
 
-def _record(
-    params: CodecParams,
-    kind: RecordKind,
-    name: str,
-    info: DTypeInfo,
-    shape: tuple[int, ...],
-    coding: ValueCoding,
-    start: int,
-    length: int,
-    count: int,
-    parts: list[bytes],
-    escapes: int = 0,
-    value_escapes: int = 0,
-) -> _Record:
-    raw_len = raw_len_for(kind, coding, info.width, length, count, escapes, value_escapes)
+def _record(params: CodecParams, head: RecordHeader, parts: list[bytes]) -> _Record:
+    """Compress a record's payload parts and prepend its header (sizes and payload hash filled in)."""
+    raw_len = raw_len_for(
+        head.kind, head.coding, head.info.width, head.length, head.count, head.escapes, head.value_escapes
+    )
     assert raw_len == sum(len(p) for p in parts)
     payload = b""
     if raw_len:
         stream = _compressor(params.zstd_level).compressobj(size=raw_len)
         payload = b"".join([stream.compress(p) for p in parts] + [stream.flush()])
-    head = RecordHeader(
-        kind,
-        name,
-        info,
-        shape,
-        coding,
-        start,
-        length,
-        count,
-        escapes,
-        value_escapes,
-        raw_len,
-        len(payload),
-        payload_hash(payload),
-    )
-    return _Record(encode_record_header(head) + payload, count, raw_len)
+    head = replace(head, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
+    return _Record(encode_record_header(head) + payload, head.count, raw_len)
 
 
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
     """Sorted positions where two flat integer tensors differ bitwise, as host int64."""
     if old.device.type != "cpu":
         return torch.nonzero(old != new).view(-1).cpu().numpy()
-    return bits.changed_positions(old.numpy(), new.numpy())  # word-wise numpy: ~4x torch's ne+nonzero
+    return bits.changed_positions(old.numpy(), new.numpy())  # numpy: ~2-4x torch's ne + nonzero on CPU
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -117,14 +93,14 @@ def _encode_chunk(
         gaps, escapes = bits.encode_positions(positions)
         value_parts, value_escapes = _value_parts(coded, coding, offset=1)
         parts = [bits.to_planes(gaps), escapes.astype("<u8").tobytes(), *value_parts]
-        kind = RecordKind.SPARSE
-        return _record(
-            params, kind, name, info, shape, coding, start, length, count, parts, escapes.size, value_escapes
+        head = RecordHeader(
+            RecordKind.SPARSE, name, info, shape, coding, start, length, count, escapes.size, value_escapes
         )
+        return _record(params, head, parts)
     # Dense beats sparse before compression: code every element (unchanged ones code to zero).
     value_parts, value_escapes = _value_parts(_host(bits.encode_values(old, new, info, coding)), coding, offset=0)
-    kind = RecordKind.DENSE
-    return _record(params, kind, name, info, shape, coding, start, length, count, value_parts, 0, value_escapes)
+    head = RecordHeader(RecordKind.DENSE, name, info, shape, coding, start, length, count, value_escapes=value_escapes)
+    return _record(params, head, value_parts)
 
 
 def _value_parts(coded: np.ndarray, coding: ValueCoding, offset: int) -> tuple[list[bytes], int]:
@@ -139,11 +115,9 @@ def _value_parts(coded: np.ndarray, coding: ValueCoding, offset: int) -> tuple[l
 
 def _encode_whole(params: CodecParams, kind: RecordKind, name: str, t: torch.Tensor) -> _Record:
     """ADD or REPLACE record: the full tensor, raw bits."""
-    info = dtype_info(t.dtype)
     values = _host(flat_bits(t))
-    shape = tuple(t.shape)
-    parts = [bits.to_planes(values)]
-    return _record(params, kind, name, info, shape, ValueCoding.RAW, 0, values.size, values.size, parts)
+    head = RecordHeader(kind, name, dtype_info(t.dtype), tuple(t.shape), ValueCoding.RAW, 0, values.size, values.size)
+    return _record(params, head, [bits.to_planes(values)])
 
 
 def encode_patch(
