@@ -101,9 +101,14 @@ def test_non_contiguous_inputs_and_targets() -> None:
     new_c = mutate(rng, base_c, 0.1)
     base, new = {"w": base_c.t()}, {"w": new_c.t()}  # transposed views: not contiguous
     assert not base["w"].is_contiguous()
+    patch = encode_patch(base, new)
     work = {"w": base_c.clone().t()}
-    apply_patch(work, encode_patch(base, new))
+    apply_patch(work, patch)
     assert_bits_equal(work["w"], new["w"])
+    streamed = {"w": base_c.clone().t()}  # the streaming path replaces it with a contiguous copy too
+    for record in PatchDecoder().feed(patch):
+        record.apply(streamed)
+    assert_bits_equal(streamed["w"], new["w"])
 
 
 def test_dense_fallback_for_high_density_and_sparse_for_low() -> None:

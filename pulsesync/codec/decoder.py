@@ -61,7 +61,7 @@ class PatchRecord:
         check_target(self.header, state)
 
     def apply(self, state: MutableMapping[str, torch.Tensor], device: torch.device | None = None) -> None:
-        """Apply to `state` in place. Tensors patched in place must be contiguous."""
+        """Apply to `state` in place (a non-contiguous target is first replaced by a contiguous copy)."""
         h = self.header
         self.check_target(state)
         if h.kind == RecordKind.REMOVE:
@@ -78,7 +78,7 @@ class PatchRecord:
             assert self.values is not None
             tensor = state[h.name]
             if not tensor.is_contiguous():
-                raise CorruptPatchError(f"tensor {h.name!r} must be contiguous to be patched in place")
+                state[h.name] = tensor = tensor.contiguous()
             chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
             coded = torch.from_numpy(self.values).to(chunk.device)
             if h.kind == RecordKind.DENSE:

@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import errno
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from pulsesync.errors import ConflictError, NotFoundError
 from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, fsync_dir, temp_path, write_atomically
@@ -19,6 +20,8 @@ from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import translate_error
 
 _TMP_MARK = ".pulsesync-tmp-"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class FileStore(Store):
@@ -31,9 +34,10 @@ class FileStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    async def _io(self, op: str, key: str, fn, *args):  # type: ignore[no-untyped-def]
+    async def _io(self, op: str, key: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run blocking file I/O in a worker thread, translating OS errors for this key."""
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await asyncio.to_thread(fn, *args, **kwargs)
         except (IsADirectoryError, NotADirectoryError):
             raise NotFoundError(f"{op} {self.url}{key}: no such object") from None
         except OSError as e:
@@ -42,8 +46,7 @@ class FileStore(Store):
     # --- reads ---------------------------------------------------------------------------------
     async def get(self, key: str) -> bytes:
         """Whole object."""
-        data: bytes = await self._io("get", key, self._path(key).read_bytes)
-        return data
+        return await self._io("get", key, self._path(key).read_bytes)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end), clamped to the file's size."""
@@ -55,8 +58,7 @@ class FileStore(Store):
                 f.seek(start)
                 return f.read(end - start)
 
-        data: bytes = await self._io("get_range", key, read)
-        return data
+        return await self._io("get_range", key, read)
 
     async def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
         """Chunks read in a worker thread."""
