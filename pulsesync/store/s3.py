@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiobotocore.session
+import botocore.exceptions
 from botocore.config import Config as BotoConfig
 
 from pulsesync.errors import ConflictError, IntegrityError, StoreError
@@ -103,12 +104,7 @@ class S3Store(Store):
         return chunks
 
     async def _read(self, s3: Any, key: str, **kwargs: Any) -> bytes:
-        resp = await s3.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
-        async with resp["Body"] as body:
-            data: bytes = await body.read()
-        if len(data) != resp["ContentLength"]:
-            raise TruncatedBodyError(f"got {len(data)} of {resp['ContentLength']} bytes")
-        return data
+        return b"".join(await self._read_chunks(s3, key, **kwargs))
 
     async def get(self, key: str) -> bytes:
         """Whole object."""
@@ -118,14 +114,20 @@ class S3Store(Store):
         """Bytes [start, end), clamped to the object's size; with etag, only from that version."""
         if start < 0 or end < start:
             raise ValueError(f"bad range [{start}, {end})")
-        info = await self.head(key)
-        end = min(end, info.size)
-        if start >= end:
+        if start == end:  # no bytes to ask for: only the object's existence to check
+            await self.head(key)
             return b""
         extra = {"IfMatch": etag} if etag else {}
-        return await self._call(
-            "get_range", key, lambda s3: self._read(s3, key, Range=f"bytes={start}-{end - 1}", **extra)
-        )
+
+        async def once(s3: Any) -> bytes:
+            try:  # S3 clamps a range that runs past the end itself
+                return await self._read(s3, key, Range=f"bytes={start}-{end - 1}", **extra)
+            except botocore.exceptions.ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":  # 416: starts past the end
+                    return b""
+                raise
+
+        return await self._call("get_range", key, once)
 
     async def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
         """Chunks as they arrive (the request is retried; a body cut mid-stream raises StoreError)."""
