@@ -206,27 +206,9 @@ def run_demo(
     """
     args = (steps, anchor_interval, hidden, layers, lr, late_join, seed, params or CodecParams(), out)
     if store is not None and store.url:
-        return asyncio.run(_run_on(open_store(store), *args))
+        return asyncio.run(_demo(open_store(store), *args))
     with tempfile.TemporaryDirectory(prefix="pulsesync-demo-") as tmp:
-        return asyncio.run(_run_on(FileStore(tmp), *args))
-
-
-async def _run_on(
-    store: Store,
-    steps: int,
-    anchor_interval: int,
-    hidden: int,
-    layers: int,
-    lr: float,
-    late_join: int | None,
-    seed: int,
-    params: CodecParams,
-    out: Callable[[str], None],
-) -> bool:
-    async with store:
-        async for info in store.list("ready/"):
-            raise ConflictError(f"{store.url} already holds published steps ({info.key}); use an empty prefix")
-        return await _demo(store, steps, anchor_interval, hidden, layers, lr, late_join, seed, params, out)
+        return asyncio.run(_demo(FileStore(tmp), *args))
 
 
 async def _demo(
@@ -241,52 +223,55 @@ async def _demo(
     params: CodecParams,
     out: Callable[[str], None],
 ) -> bool:
-    t_start = time.perf_counter()
-    late_join = late_join if late_join is not None else max(1, steps * 2 // 3 - 3)  # between anchors
-    key = Ed25519PrivateKey.generate()
-    trusted = dict(signing.trusted_keys([key.public_key()]))
-    shapes = llm_like_shapes(hidden, layers, vocab=96 * hidden)
-    trainer = SyntheticTrainer(shapes, lr=lr, seed=seed)
-    out(
-        f"pulsesync demo: {sum(torch.Size(s).numel() for s in shapes.values()) / 1e6:.1f}M parameters (bf16), "
-        f"AdamW lr={lr:g}, {steps} steps, anchor every {anchor_interval}; store {store.url}; "
-        f"signer {signing.key_id(key.public_key())}"
-    )
-    for _ in range(12):  # past AdamW's first steps, whose updates are unusually dense
-        trainer.step()
-    publisher = _Publisher(key, store, anchor_interval, params)
-    early, late = _Subscriber("A", trusted), _Subscriber("B", trusted)
-    out(f"{'step':>5} {'published':<15} {'wire bytes':>12} {'density':>8} {'ratio':>7}  {'A path':<10} B path")
-    dense = patch_bytes = 0
-    for step in range(steps + 1):
-        if step:
-            trainer.step()
-        state = trainer.state()
-        dense = sum(t.numel() * t.element_size() for t in state.values())
-        published = await publisher.publish(step, state)
-        kinds = "+".join(k for k, _, _ in published)
-        wire = published[0][1]
-        patch = next(((w, c) for k, w, c in published if k == "patch"), None)
-        if patch:
-            patch_bytes += patch[0]
-        density = f"{patch[1] / (dense / 2):.2%}" if patch else "-"
-        ratio = f"{dense / patch[0]:.0f}x" if patch else "-"
-        a_path = await early.sync(store)
-        b_path = await late.sync(store) if step >= late_join else "-"
-        out(f"{step:>5} {kinds:<15} {wire:>12,} {density:>8} {ratio:>7}  {a_path:<10} {b_path}")
-    ok = all(s.state is not None and _bits_equal(s.state, trainer.state()) for s in (early, late))
-    full = dense * steps
-    out("")
-    out(
-        f"patches on the wire: {patch_bytes:,} bytes for {steps} steps; full checkpoints: {full:,} bytes "
-        f"-> {full / max(patch_bytes, 1):.0f}x less"
-    )
-    for s in (early, late):
-        paths = ", ".join(f"{k} x{v}" for k, v in sorted(s.paths.items()))
+    async with store:
+        async for info in store.list("ready/"):
+            raise ConflictError(f"{store.url} already holds published steps ({info.key}); use an empty prefix")
+        t_start = time.perf_counter()
+        late_join = late_join if late_join is not None else max(1, steps * 2 // 3 - 3)  # between anchors
+        key = Ed25519PrivateKey.generate()
+        trusted = dict(signing.trusted_keys([key.public_key()]))
+        shapes = llm_like_shapes(hidden, layers, vocab=96 * hidden)
+        trainer = SyntheticTrainer(shapes, lr=lr, seed=seed)
         out(
-            f"subscriber {s.name}: step {s.step}, paths: {paths}; {s.verified} manifests verified, "
-            f"{s.downloaded:,} bytes downloaded, digest {s.digest.root if s.digest else '-'}"
+            f"pulsesync demo: {sum(torch.Size(s).numel() for s in shapes.values()) / 1e6:.1f}M parameters (bf16), "
+            f"AdamW lr={lr:g}, {steps} steps, anchor every {anchor_interval}; store {store.url}; "
+            f"signer {signing.key_id(key.public_key())}"
         )
-    verdict = "bitwise equal to the trainer" if ok else "NOT EQUAL to the trainer"
-    out(f"result: both subscribers {verdict} ({time.perf_counter() - t_start:.1f}s)")
-    return ok
+        for _ in range(12):  # past AdamW's first steps, whose updates are unusually dense
+            trainer.step()
+        publisher = _Publisher(key, store, anchor_interval, params)
+        early, late = _Subscriber("A", trusted), _Subscriber("B", trusted)
+        out(f"{'step':>5} {'published':<15} {'wire bytes':>12} {'density':>8} {'ratio':>7}  {'A path':<10} B path")
+        dense = patch_bytes = 0
+        for step in range(steps + 1):
+            if step:
+                trainer.step()
+            state = trainer.state()
+            dense = sum(t.numel() * t.element_size() for t in state.values())
+            published = await publisher.publish(step, state)
+            kinds = "+".join(k for k, _, _ in published)
+            wire = published[0][1]
+            patch = next(((w, c) for k, w, c in published if k == "patch"), None)
+            if patch:
+                patch_bytes += patch[0]
+            density = f"{patch[1] / (dense / 2):.2%}" if patch else "-"
+            ratio = f"{dense / patch[0]:.0f}x" if patch else "-"
+            a_path = await early.sync(store)
+            b_path = await late.sync(store) if step >= late_join else "-"
+            out(f"{step:>5} {kinds:<15} {wire:>12,} {density:>8} {ratio:>7}  {a_path:<10} {b_path}")
+        ok = all(s.state is not None and _bits_equal(s.state, trainer.state()) for s in (early, late))
+        full = dense * steps
+        out("")
+        out(
+            f"patches on the wire: {patch_bytes:,} bytes for {steps} steps; full checkpoints: {full:,} bytes "
+            f"-> {full / max(patch_bytes, 1):.0f}x less"
+        )
+        for s in (early, late):
+            paths = ", ".join(f"{k} x{v}" for k, v in sorted(s.paths.items()))
+            out(
+                f"subscriber {s.name}: step {s.step}, paths: {paths}; {s.verified} manifests verified, "
+                f"{s.downloaded:,} bytes downloaded, digest {s.digest.root if s.digest else '-'}"
+            )
+        verdict = "bitwise equal to the trainer" if ok else "NOT EQUAL to the trainer"
+        out(f"result: both subscribers {verdict} ({time.perf_counter() - t_start:.1f}s)")
+        return ok
