@@ -199,7 +199,7 @@ def entropy_bound(steps: list[Step]) -> float:
             a = s.old[name].reshape(-1).view(torch.int16).numpy().astype(np.int32)
             b = s.new[name].reshape(-1).view(torch.int16).numpy().astype(np.int32)
             pos = np.flatnonzero(a != b)
-            ordered = lambda v: np.where(v < 0, -32768 - v, v)  # noqa: E731 - sign-magnitude -> ordered
+            ordered = lambda v: np.where(v < 0, v ^ 0x7FFF, v)  # noqa: E731 - the codec's order-preserving map
             gaps.append(np.diff(pos, prepend=-1))
             deltas.append(ordered(b[pos]) - ordered(a[pos]))
         bits += entropy(np.concatenate(gaps)) + entropy(np.concatenate(deltas))

@@ -85,14 +85,3 @@ class SyntheticTrainer:
             p.grad = grad
         self.optimizer.step()
         self.steps += 1
-
-
-def changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
-    """Fraction of elements whose bit pattern differs between two states with equal layouts."""
-    changed = total = 0
-    for name, t in new.items():
-        a = old[name].reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
-        b = t.reshape(-1).view(a.dtype)
-        changed += int((a != b).sum())
-        total += t.numel()
-    return changed / max(total, 1)

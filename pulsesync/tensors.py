@@ -79,11 +79,6 @@ def dtype_by_code(code: int) -> DTypeInfo | None:
     return _BY_CODE.get(code)
 
 
-def dtype_by_name(name: str) -> DTypeInfo | None:
-    """Registry entry of a safetensors dtype name, or None if unknown."""
-    return _BY_NAME.get(name)
-
-
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
     """Flat C-order view of a tensor's bit patterns as a signed integer tensor.
 

@@ -56,14 +56,10 @@ class PatchRecord:
         """Name of the tensor this record changes."""
         return self.header.name
 
-    def check_target(self, state: MutableMapping[str, torch.Tensor]) -> None:
-        """Raise CorruptPatchError unless this record fits the tensor it targets in `state`."""
-        check_target(self.header, state)
-
     def apply(self, state: MutableMapping[str, torch.Tensor], device: torch.device | None = None) -> None:
         """Apply to `state` in place (a non-contiguous target is first replaced by a contiguous copy)."""
         h = self.header
-        self.check_target(state)
+        check_target(h, state)
         if h.kind == RecordKind.REMOVE:
             del state[h.name]
         elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import stat
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
@@ -72,7 +73,7 @@ class FileStore(Store):
     async def head(self, key: str) -> ObjectInfo:
         """Size (and a modification-time etag)."""
         st = await self._io("head", key, os.stat, self._path(key))
-        if not os.path.isfile(self._path(key)):
+        if not stat.S_ISREG(st.st_mode):  # a directory is a prefix, not an object
             raise NotFoundError(f"head {self.url}{key}: no such object")
         return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
 
