@@ -55,6 +55,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_publish(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pulsesync.config import PublisherConfig
+    from pulsesync.errors import ConfigError
+    from pulsesync.publisher.daemon import publish_checkpoint, watch
+
+    config = load_config(
+        PublisherConfig,
+        args.config,
+        {
+            "store.url": args.store,
+            "store.endpoint_url": args.endpoint_url,
+            "signing_key": args.signing_key,
+            "anchor_interval": args.anchor_interval,
+        },
+    )
+    if args.checkpoint is not None and args.step is None:
+        raise ConfigError("--checkpoint needs --step N: the step number to publish it as")
+    if args.watch is None and args.once:
+        raise ConfigError("--once applies to --watch DIR")
+    if args.checkpoint is not None:
+        reports = asyncio.run(publish_checkpoint(config, args.checkpoint, args.step))
+    else:
+        reports = asyncio.run(watch(config, args.watch, once=args.once))
+    for report in reports:
+        print(report.log_line())
+    return 0
+
+
 def _cmd_store(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -106,6 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_cmd_demo)
+
+    publish = commands.add_parser(
+        "publish", parents=[common], help="publish checkpoints as signed patches and anchors (beside the trainer)"
+    )
+    publish.add_argument("--signing-key", type=Path, metavar="PATH", help="Ed25519 private key (pulsesync keygen)")
+    publish.add_argument("--anchor-interval", type=int, metavar="K", help="an anchor every K published steps")
+    source = publish.add_mutually_exclusive_group(required=True)
+    source.add_argument("--watch", type=Path, metavar="DIR", help="publish each new checkpoint-<step>/ under DIR")
+    source.add_argument(
+        "--checkpoint", type=Path, metavar="PATH", help="publish one checkpoint (safetensors directory or file)"
+    )
+    publish.add_argument("--step", type=int, metavar="N", help="step number of --checkpoint")
+    publish.add_argument("--once", action="store_true", help="with --watch: publish the checkpoints there now, exit")
+    publish.set_defaults(run=_cmd_publish)
 
     store = commands.add_parser("store", help="list, upload or download objects in the configured store")
     actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -4,6 +4,10 @@
 {prefix}/anchors/{step:012d}/...        anchor shards, index, config files
 {prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
 {prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
+
+Payload names inside a step's folder carry the writing publisher's run id, so two publishers (or a
+crashed attempt and its restart) never write the same payload key: nothing is ever overwritten,
+and the ready marker, written last with put-if-absent, decides which object set a step is.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Literal
 Kind = Literal["patch", "anchor"]
 STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
-PATCH_OBJECT = "patch.bin"
+_RUN_ID_RE = re.compile(r"^[0-9a-z]{1,32}$")
 _READY_RE = re.compile(r"^(\d{12})\.(patch|anchor)\.json$")
 
 
@@ -35,14 +39,25 @@ def patch_prefix(step: int) -> str:
     return f"patches/{step_name(step)}/"
 
 
-def patch_key(step: int) -> str:
-    """Key of a step's single patch payload object."""
-    return patch_prefix(step) + PATCH_OBJECT
+def _check_run_id(run_id: str) -> str:
+    if not _RUN_ID_RE.match(run_id):
+        raise ValueError(f"run id {run_id!r} must be 1-32 lowercase letters or digits")
+    return run_id
+
+
+def patch_key(step: int, run_id: str) -> str:
+    """Key of the patch payload object that publisher run `run_id` wrote for a step."""
+    return f"{patch_prefix(step)}patch-{_check_run_id(run_id)}.bin"
 
 
 def anchor_prefix(step: int) -> str:
     """Folder of a step's anchor shards and files."""
     return f"anchors/{step_name(step)}/"
+
+
+def anchor_dir(step: int, run_id: str) -> str:
+    """Folder of the anchor that publisher run `run_id` wrote for a step: an HF model directory."""
+    return f"{anchor_prefix(step)}{_check_run_id(run_id)}/"
 
 
 def ready_key(step: int, kind: Kind) -> str:

@@ -10,8 +10,9 @@ from pulsesync import layout
 
 
 def test_key_names_match_the_protocol() -> None:
-    assert layout.patch_key(42) == "patches/000000000042/patch.bin"
+    assert layout.patch_key(42, "a1b2") == "patches/000000000042/patch-a1b2.bin"
     assert layout.anchor_prefix(50) == "anchors/000000000050/"
+    assert layout.anchor_dir(50, "a1b2") == "anchors/000000000050/a1b2/"
     assert layout.ready_key(7, "patch") == "ready/000000000007.patch.json"
     assert layout.ready_key(7, "anchor") == "ready/000000000007.anchor.json"
 
@@ -38,6 +39,14 @@ def test_parse_ready_key_round_trip_and_rejects_others() -> None:
 
 def test_step_bounds() -> None:
     with pytest.raises(ValueError):
-        layout.patch_key(-1)
+        layout.patch_key(-1, "a1")
     with pytest.raises(ValueError):
         layout.ready_key(layout.MAX_STEP + 1, "patch")
+
+
+@pytest.mark.parametrize("run_id", ["", "../x", "A1", "a/b", "x" * 33])
+def test_run_ids_cannot_escape_the_step_folder(run_id: str) -> None:
+    with pytest.raises(ValueError):
+        layout.patch_key(1, run_id)
+    with pytest.raises(ValueError):
+        layout.anchor_dir(1, run_id)

@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.wait import wait_exponential_jitter
 
 from pulsesync.errors import AccessDeniedError, ConflictError, NotFoundError, PulseSyncError, StoreError
+from pulsesync.metrics import STORE_RETRIES
 
 log = logging.getLogger("pulsesync.store")
 T = TypeVar("T")
@@ -109,6 +110,7 @@ def _log_retry(op: str, target: str) -> Callable[[RetryCallState], None]:
     def before_sleep(state: RetryCallState) -> None:
         e = state.outcome.exception() if state.outcome else None
         wait = state.next_action.sleep if state.next_action else 0.0
+        STORE_RETRIES.labels(op).inc()
         log.warning(
             "%s %s: attempt %d failed (%s); retrying in %.2fs", op, target, state.attempt_number, type(e).__name__, wait
         )

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (optional extras)."""

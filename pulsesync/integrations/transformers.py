@@ -1,0 +1,91 @@
+"""Publish from inside a `transformers.Trainer`: `trainer.add_callback(PulseSyncCallback(config))`.
+
+Each optimizer step (`on_step_end`) the main process publishes the model's weights and returns as
+soon as they are copied to host memory; `on_train_end` flushes. Anchors carry the model's
+config.json and generation_config.json, so they open with `from_pretrained`.
+
+Sharded training (FSDP, DeepSpeed ZeRO-3): every rank holds a shard, so the full state dict must
+be gathered collectively on every rank. Pass `state_dict_fn`, which the callback calls on every
+rank, e.g. `state_dict_fn=lambda model: trainer.accelerator.get_state_dict(model)` (with FSDP's
+`fsdp_state_dict_type: FULL_STATE_DICT`); only the world main process publishes what it returns.
+Without it the callback reads `model.state_dict()` on the main process only.
+
+Requires the `transformers` extra: `pip install 'pulsesync[transformers]'`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from pulsesync.config import PublisherConfig
+from pulsesync.publisher import Publisher
+
+StateDictFn = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
+
+
+class PulseSyncCallback(TrainerCallback):
+    """Publishes the model every optimizer step through a pulsesync Publisher."""
+
+    def __init__(
+        self,
+        config: PublisherConfig | None = None,
+        *,
+        publisher: Publisher | None = None,
+        state_dict_fn: StateDictFn | None = None,
+        every: int = 1,
+    ) -> None:
+        if (config is None) == (publisher is None):
+            raise ValueError("pass exactly one of config or publisher")
+        self._config = config
+        self._publisher = publisher
+        self._owns_publisher = publisher is None
+        self._state_dict_fn = state_dict_fn
+        self._every = every
+        self._files_dir = tempfile.TemporaryDirectory(prefix="pulsesync-hf-")
+        self._files: dict[str, Path] | None = None
+
+    @property
+    def publisher(self) -> Publisher:
+        """The publisher (created on first use, on the main process only)."""
+        if self._publisher is None:
+            assert self._config is not None
+            self._publisher = Publisher(self._config)
+        return self._publisher
+
+    def _model_files(self, model: Any) -> dict[str, Path]:
+        """config.json and generation_config.json of the model, written once."""
+        if self._files is None:
+            out = Path(self._files_dir.name)
+            self._files = {}
+            for attr in ("config", "generation_config"):
+                if (cfg := getattr(model, attr, None)) is not None and hasattr(cfg, "save_pretrained"):
+                    cfg.save_pretrained(out)
+            self._files = {p.name: p for p in out.glob("*.json")}
+        return self._files
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Publish the weights of this optimizer step (main process; every rank gathers with state_dict_fn)."""
+        model = kwargs.get("model")
+        if model is None or state.global_step % self._every:
+            return
+        if self._state_dict_fn is not None:
+            weights = self._state_dict_fn(model)  # collective: every rank takes part
+        elif state.is_world_process_zero:
+            weights = model.state_dict()
+        else:
+            return
+        if state.is_world_process_zero:
+            self.publisher.publish(state.global_step, weights, self._model_files(model))
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Wait for the last steps to commit; stop the publisher if this callback created it."""
+        if state.is_world_process_zero and self._publisher is not None:
+            (self._publisher.close if self._owns_publisher else self._publisher.flush)()

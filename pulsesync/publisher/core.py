@@ -1,0 +1,562 @@
+"""The publisher: snapshot on the trainer's thread; diff, encode, upload and commit in the background.
+
+Commit protocol per step: upload the payload (under a key unique to this publisher run), then
+write the signed manifest as the ready marker with put-if-absent, and only then advance the
+baseline. A failed publish leaves the baseline at the last committed state, so the next patch is
+computed against what subscribers can actually hold. Anchors: the first publish after a start
+(unless resuming), every `anchor_interval` published steps or past `anchor_bytes_budget`, in the
+background after the step's patch; and in place of a patch that could not be published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsesync import layout, metrics, signing, statecache
+from pulsesync.codec import FORMAT_VERSION, encode_patch, read_header
+from pulsesync.config import PublisherConfig
+from pulsesync.digest import StateDigest, state_digest
+from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
+from pulsesync.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes, utc_now
+from pulsesync.publisher.anchor import write_anchor_dir
+from pulsesync.publisher.snapshot import dense_bytes, snapshot
+from pulsesync.reader import ChainReader
+from pulsesync.store import Store, open_store
+from pulsesync.tensors import State
+
+log = logging.getLogger("pulsesync.publisher")
+T = TypeVar("T")
+FileSource = Mapping[str, Path | str | bytes]
+"""Files an anchor carries besides the weights: name -> path or content."""
+
+
+@dataclass
+class StepReport:
+    """What publishing one object set (a step's patch or anchor) did, for logs, metrics and callers."""
+
+    step: int
+    kind: layout.Kind
+    ok: bool = False
+    snapshot_s: float = 0.0
+    digest_s: float = 0.0
+    encode_s: float = 0.0  # patches: diff + compress; anchors: writing the shards
+    upload_s: float = 0.0
+    commit_s: float = 0.0
+    dense_bytes: int = 0
+    wire_bytes: int = 0
+    changed_elements: int = 0
+    elements: int = 0
+    skipped_total: int = 0
+    error: str | None = None
+
+    @property
+    def density(self) -> float:
+        """Changed fraction of the elements."""
+        return self.changed_elements / max(self.elements, 1)
+
+    @property
+    def ratio(self) -> float:
+        """Dense bytes per wire byte."""
+        return self.dense_bytes / max(self.wire_bytes, 1)
+
+    def sizes(self) -> Sizes:
+        """The sizes its manifest records."""
+        return Sizes(dense_bytes=self.dense_bytes, wire_bytes=self.wire_bytes, changed_elements=self.changed_elements)
+
+    def log_line(self) -> str:
+        """One logfmt line."""
+        fields: dict[str, Any] = {
+            "step": self.step,
+            "kind": self.kind,
+            "ok": str(self.ok).lower(),
+            "snapshot_s": f"{self.snapshot_s:.3f}",
+            "digest_s": f"{self.digest_s:.3f}",
+            "encode_s": f"{self.encode_s:.3f}",
+            "upload_s": f"{self.upload_s:.3f}",
+            "commit_s": f"{self.commit_s:.3f}",
+            "changed": self.changed_elements,
+            "density": f"{self.density:.5f}",
+            "dense_bytes": self.dense_bytes,
+            "wire_bytes": self.wire_bytes,
+            "ratio": f"{self.ratio:.1f}",
+            "skipped_total": self.skipped_total,
+        }
+        if self.error:
+            fields["error"] = '"' + self.error.replace('"', "'") + '"'
+        return "published " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+    def record(self) -> None:
+        """Log the report and update the Prometheus metrics."""
+        (log.info if self.ok else log.warning)("%s", self.log_line())
+        if not self.ok:
+            metrics.PUBLISH_FAILURES.labels(self.kind).inc()
+            return
+        for stage in ("snapshot", "digest", "encode", "upload", "commit"):
+            metrics.PUBLISH_STAGE_SECONDS.labels(stage).observe(getattr(self, f"{stage}_s"))
+        metrics.PUBLISHED.labels(self.kind).inc()
+        metrics.WIRE_BYTES.labels(self.kind).inc(self.wire_bytes)
+        metrics.LAST_STEP.set(self.step)
+        if self.kind == "patch":
+            metrics.DENSE_BYTES.inc(self.dense_bytes)
+            metrics.CHANGED_ELEMENTS.inc(self.changed_elements)
+            metrics.LAST_DENSITY.set(self.density)
+            metrics.LAST_RATIO.set(self.ratio)
+
+
+@dataclass
+class _Baseline:
+    """The last committed state: what every subscriber can hold."""
+
+    step: int
+    state: dict[str, torch.Tensor]
+    digest: StateDigest
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    state: dict[str, torch.Tensor]
+    seconds: float
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def _read_files(files: FileSource | None) -> dict[str, bytes]:
+    """File contents keyed by name (read now: the source may be gone when an anchor is written)."""
+    out = {}
+    for name, source in (files or {}).items():
+        out[name] = source if isinstance(source, bytes) else Path(source).read_bytes()
+    return out
+
+
+class AsyncPublisher:
+    """Publishes states into a store; `publish()` returns once the state is copied to host memory."""
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        *,
+        store: Store | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
+    ) -> None:
+        if signing_key is None:
+            if config.signing_key is None:
+                raise ConfigError("signing_key: a publisher needs an Ed25519 private key (pulsesync keygen)")
+            signing_key = signing.load_private_key(config.signing_key)
+        self.config = config
+        self.store = store or open_store(config.store)
+        self.run_id = secrets.token_hex(4)  # payload keys unique to this run: nothing is ever overwritten
+        self.reports: deque[StepReport] = deque(maxlen=1000)
+        self.skipped = 0
+        self.last_error: PulseSyncError | None = None  # of the newest step that failed
+        self._key = signing_key
+        self._files = _read_files({p.name: p for p in config.extra_files})
+        self._pending: deque[_Snapshot] = deque()
+        self._cond: asyncio.Condition | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._background: asyncio.Task[None] | None = None
+        self._busy = False
+        self._fatal: BaseException | None = None
+        self._base: _Baseline | None = None
+        self._anchor_step = -1  # newest committed anchor of our chain
+        self._since_anchor = 0  # published steps since the last anchor was started
+        self._patch_bytes = 0  # patch bytes since then
+        self._anchor_owed = False  # a due anchor failed: try again at the next step
+        self._last_step = -1  # newest step accepted, ours or found in the store
+        self._seen_key: str | None = None  # newest ready marker seen in the store
+        self._own: set[str] = set()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Read the prefix's ready markers, resume the baseline if configured, start the pipeline."""
+        if self._worker is not None:
+            return
+        self._cond = asyncio.Condition()
+        ready = await self._scan_ready()
+        if ready:
+            self._last_step = max(ready)
+            if self.config.resume:
+                await self._resume(ready)
+        metrics.serve(self.config.metrics_port)
+        self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
+
+    async def flush(self) -> None:
+        """Wait until every accepted step is committed or failed, background anchors included."""
+        assert self._cond is not None, "call start() first"
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._fatal is not None or (not self._pending and not self._busy))
+        if self._background is not None:
+            await self._background
+        self._raise_fatal()
+
+    async def close(self) -> None:
+        """Flush, save the baseline to cache_dir (if set) and release the store."""
+        try:
+            if self._worker is not None:
+                await self.flush()
+        finally:
+            if self._worker is not None:
+                self._worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._worker
+            await self.store.close()
+        if self.config.cache_dir is not None and self._base is not None:
+            base = self._base
+            await asyncio.to_thread(statecache.save, self.config.cache_dir, base.step, base.state, base.digest)
+
+    async def __aenter__(self) -> AsyncPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # --- the trainer's side ------------------------------------------------------------------------
+    async def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
+        """Snapshot a state to host memory and queue it; committing happens in the background."""
+        self.check_step(step)
+        t0 = time.perf_counter()
+        snap = await asyncio.to_thread(snapshot, state)
+        await self.submit(_Snapshot(step, snap, time.perf_counter() - t0, _read_files(files)))
+
+    @property
+    def last_step(self) -> int:
+        """Newest step accepted by publish() or found in the store at start (-1 if none)."""
+        return self._last_step
+
+    def check_step(self, step: int) -> None:
+        """ConflictError unless step is newer than every step accepted or found in the store."""
+        self._raise_fatal()
+        if step <= self._last_step:
+            raise ConflictError(
+                f"step {step} is not newer than step {self._last_step}, already published to {self.store.url}; "
+                "steps must strictly increase"
+            )
+        layout.step_name(step)  # range check
+
+    async def submit(self, snap: _Snapshot) -> None:
+        """Queue a snapshot: drop the oldest queued one (skip) or wait for room (block) when full."""
+        assert self._cond is not None, "call start() first"
+        self.check_step(snap.step)
+        self._last_step = snap.step
+        async with self._cond:
+            if self.config.on_backpressure == "block":
+                await self._cond.wait_for(
+                    lambda: self._fatal is not None or len(self._pending) < self.config.max_pending
+                )
+                self._raise_fatal()
+            elif len(self._pending) >= self.config.max_pending:
+                dropped = self._pending.popleft()
+                snap.files = dropped.files | snap.files
+                self.skipped += 1
+                metrics.SKIPPED_STEPS.inc()
+                log.warning("step %d skipped: uploads are behind, publishing newer steps first", dropped.step)
+            self._pending.append(snap)
+            self._cond.notify_all()
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    # --- the pipeline --------------------------------------------------------------------------
+    async def _work(self) -> None:
+        assert self._cond is not None
+        while True:
+            async with self._cond:
+                await self._cond.wait_for(lambda: bool(self._pending))
+                snap = self._pending.popleft()
+                self._busy = True
+                self._cond.notify_all()
+            try:
+                await self._publish_step(snap)
+            except PulseSyncError as e:
+                self.last_error = e
+                if isinstance(e, ConflictError):
+                    self._fatal = e
+                log.error("step %d: not published (%s: %s)", snap.step, type(e).__name__, e)
+            except Exception as e:  # a bug, not a store failure: stop rather than publish on
+                log.exception("step %d: publisher stopped", snap.step)
+                self._fatal = e
+            finally:
+                async with self._cond:
+                    self._busy = False
+                    if self._fatal is not None:
+                        self._pending.clear()
+                    self._cond.notify_all()
+            if self._fatal is not None:
+                return
+
+    async def _publish_step(self, snap: _Snapshot) -> None:
+        self._files |= snap.files
+        t0 = time.perf_counter()
+        digest = await asyncio.to_thread(
+            state_digest, snap.state, self.config.codec.digest_algorithm, self.config.codec.threads
+        )
+        timing = (snap.seconds, time.perf_counter() - t0)  # snapshot_s, digest_s
+        await self._check_prefix(snap.step)
+        if self._base is None:
+            return await self._anchor_instead(snap, digest, timing)
+        try:
+            report = await self._publish_patch(snap, digest, timing)
+        except ConflictError:
+            raise
+        except PulseSyncError as e:
+            log.warning("step %d: the patch failed (%s); publishing an anchor for this step instead", snap.step, e)
+            return await self._anchor_instead(snap, digest, timing)
+        self._advance(snap, digest)
+        self._since_anchor += 1
+        self._patch_bytes += report.wire_bytes
+        budget = self.config.anchor_bytes_budget
+        due = self._since_anchor >= self.config.anchor_interval or (budget is not None and self._patch_bytes > budget)
+        if (due or self._anchor_owed) and (self._background is None or self._background.done()):
+            self._since_anchor, self._patch_bytes, self._anchor_owed = 0, 0, False
+            self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest))
+
+    async def _anchor_instead(self, snap: _Snapshot, digest: StateDigest, timing: tuple[float, float]) -> None:
+        """Publish the step as an anchor (no baseline yet, or its patch failed) and advance to it."""
+        await self._publish_anchor(snap.step, snap.state, digest, timing)
+        self._advance(snap, digest)
+        self._since_anchor, self._patch_bytes, self._anchor_owed = 0, 0, False
+
+    def _advance(self, snap: _Snapshot, digest: StateDigest) -> None:
+        """Move the baseline to a committed step (never called before the ready marker is written)."""
+        self._base = _Baseline(snap.step, snap.state, digest)
+
+    async def _publish_patch(self, snap: _Snapshot, digest: StateDigest, timing: tuple[float, float]) -> StepReport:
+        base = self._base
+        assert base is not None
+        report = StepReport(snap.step, "patch", snapshot_s=timing[0], digest_s=timing[1])
+        report.dense_bytes = dense_bytes(snap.state)
+        report.elements = sum(t.numel() for t in snap.state.values())
+        key = layout.patch_key(snap.step, self.run_id)
+        try:
+            t0 = time.perf_counter()
+            params = self.config.codec
+            patch = await asyncio.to_thread(
+                encode_patch, base.state, snap.state, params, base_digest=base.digest, new_digest=digest
+            )
+            ref = await asyncio.to_thread(ObjectRef.for_bytes, key, patch)
+            header = read_header(patch)
+            report.changed_elements, report.wire_bytes = header.changed_elements, len(patch)
+            t1 = time.perf_counter()
+            await self.store.put(key, patch)
+            t2 = time.perf_counter()
+            manifest = PatchManifest(
+                step=snap.step,
+                base_step=base.step,
+                anchor_step=self._anchor_step,
+                base_digest=base.digest.root,
+                objects=[ref],
+                state_digest=digest,
+                sizes=report.sizes(),
+                created_at=utc_now(),
+                codec=PatchCodec(
+                    format_version=FORMAT_VERSION,
+                    value_coding=params.value_coding,
+                    zstd_level=params.zstd_level,
+                    chunk_elements=params.chunk_elements,
+                ),
+            )
+            await self._commit(manifest)
+            report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+            report.ok = True
+            return report
+        except PulseSyncError as e:
+            report.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            report.skipped_total = self.skipped
+            self._report(report)
+
+    async def _publish_anchor(self, step: int, state: State, digest: StateDigest, timing: tuple[float, float]) -> None:
+        report = StepReport(step, "anchor", snapshot_s=timing[0], digest_s=timing[1])
+        report.dense_bytes = dense_bytes(state)
+        report.elements = report.changed_elements = sum(t.numel() for t in state.values())
+        spool = Path(tempfile.mkdtemp(prefix=f"pulsesync-anchor-{step}-", dir=self.config.spool_dir))
+        try:
+            t0 = time.perf_counter()
+            names = await asyncio.to_thread(write_anchor_dir, state, spool, self.config.shard_size, dict(self._files))
+            t1 = time.perf_counter()
+            prefix = layout.anchor_dir(step, self.run_id)
+            refs = []
+            for name in names:
+                done = await self.store.upload_file(prefix + name, spool / name)
+                refs.append(ObjectRef(key=done.key, size=done.size, sha256=done.sha256))
+            t2 = time.perf_counter()
+            report.wire_bytes = sum(r.size for r in refs)
+            shards = sum(1 for n in names if n.endswith(".safetensors"))
+            manifest = AnchorManifest(
+                step=step,
+                objects=refs,
+                state_digest=digest,
+                sizes=report.sizes(),
+                created_at=utc_now(),
+                codec=AnchorFormat(shards=shards),
+            )
+            await self._commit(manifest)
+            report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+            report.ok = True
+            self._anchor_step = max(self._anchor_step, step)
+        except PulseSyncError as e:
+            report.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            shutil.rmtree(spool, ignore_errors=True)
+            report.skipped_total = self.skipped
+            self._report(report)
+
+    async def _background_anchor(self, step: int, state: State, digest: StateDigest) -> None:
+        """The anchor of a step whose patch is committed; the chain goes on while it uploads."""
+        try:
+            await self._publish_anchor(step, state, digest, (0.0, 0.0))
+        except ConflictError as e:
+            self._fatal = e
+            log.error("anchor %d: %s", step, e)
+        except PulseSyncError as e:
+            self._anchor_owed = True
+            log.error("anchor %d: not published (%s: %s); retrying at the next step", step, type(e).__name__, e)
+
+    def _report(self, report: StepReport) -> None:
+        self.reports.append(report)
+        report.record()
+
+    async def _commit(self, manifest: PatchManifest | AnchorManifest) -> None:
+        """Write the signed manifest as the step's ready marker; never overwrites."""
+        key = layout.ready_key(manifest.step, manifest.kind)
+        self._own.add(key)
+        try:
+            await self.store.put_if_absent(key, manifest.signed(self._key).to_bytes())
+        except ConflictError:
+            raise ConflictError(
+                f"step {manifest.step}: {self.store.url}{key} already exists: another publisher writes to this "
+                "prefix, or step numbers were reused; nothing was overwritten"
+            ) from None
+
+    async def _scan_ready(self) -> dict[int, set[layout.Kind]]:
+        """Ready markers written since the last scan, by step."""
+        found: dict[int, set[layout.Kind]] = {}
+        async for info in self.store.list("ready/", start_after=self._seen_key):
+            self._seen_key = info.key
+            if (entry := layout.parse_ready_key(info.key)) and info.key not in self._own:
+                found.setdefault(entry.step, set()).add(entry.kind)
+        return found
+
+    async def _check_prefix(self, step: int) -> None:
+        """ConflictError if another publisher committed to the prefix since our last look."""
+        if foreign := await self._scan_ready():
+            other = min(foreign)
+            raise ConflictError(
+                f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the chain "
+                "does not fork"
+            )
+
+    async def _resume(self, ready: dict[int, set[layout.Kind]]) -> None:
+        """Rebuild the baseline as the newest committed step: from cache_dir if its digest matches, else the store."""
+        newest = max(ready)
+        anchors = [s for s, kinds in ready.items() if "anchor" in kinds]
+        trusted = signing.trusted_keys([self._key.public_key()])
+        reader = ChainReader(self.store, trusted, threads=self.config.codec.threads or 1)
+        cached = None
+        if self.config.cache_dir is not None:
+            cached = await asyncio.to_thread(statecache.load, self.config.cache_dir, self.config.codec.threads)
+        if cached is not None and cached.step == newest:
+            manifest = await reader.manifest(newest, "patch" if "patch" in ready[newest] else "anchor")
+            if manifest.state_digest.root == cached.digest.root:
+                self._base = _Baseline(newest, cached.state, cached.digest)
+                source = f"cache {self.config.cache_dir}"
+        if self._base is None:
+            rebuilt = await reader.reconstruct(newest)
+            self._base = _Baseline(rebuilt.step, rebuilt.state, rebuilt.digest)
+            source = f"anchor {rebuilt.anchor_step} + {rebuilt.patches_applied} patches"
+        self._anchor_step = max(anchors, default=-1)
+        self._since_anchor = sum(1 for s, kinds in ready.items() if "patch" in kinds and s > self._anchor_step)
+        log.info("resumed at step %d from %s (digest %s)", newest, source, self._base.digest.root)
+
+
+class Publisher:
+    """Blocking wrapper of AsyncPublisher for training loops: its pipeline runs on its own thread."""
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        *,
+        store: Store | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pulsesync-publisher-loop", daemon=True)
+        self._thread.start()
+        try:
+            self._async = AsyncPublisher(config, store=store, signing_key=signing_key)
+            self._run(self._async.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    @property
+    def reports(self) -> deque[StepReport]:
+        """Reports of the object sets published so far (newest last)."""
+        return self._async.reports
+
+    @property
+    def skipped(self) -> int:
+        """Steps dropped because uploads fell behind."""
+        return self._async.skipped
+
+    @property
+    def run_id(self) -> str:
+        """This run's id, part of every payload key it writes."""
+        return self._async.run_id
+
+    def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
+        """Copy the state to host memory on this thread and queue it; returns as soon as the copy is done."""
+        self._async.check_step(step)
+        t0 = time.perf_counter()
+        snap = snapshot(state)
+        self._run(self._async.submit(_Snapshot(step, snap, time.perf_counter() - t0, _read_files(files))))
+
+    def flush(self) -> None:
+        """Block until every published step is committed or failed."""
+        self._run(self._async.flush())
+
+    def close(self) -> None:
+        """Flush and stop the pipeline."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._async.close())
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

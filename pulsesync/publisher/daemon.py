@@ -1,0 +1,73 @@
+"""`pulsesync publish` as a process beside the trainer: watch a checkpoint directory, or publish one checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+from pulsesync.config import PublisherConfig
+from pulsesync.errors import PulseSyncError
+from pulsesync.publisher.checkpoints import find_checkpoints, incomplete_reason, load_checkpoint
+from pulsesync.publisher.core import AsyncPublisher, StepReport
+
+log = logging.getLogger("pulsesync.publisher")
+
+
+async def publish_checkpoint(config: PublisherConfig, path: Path, step: int) -> list[StepReport]:
+    """Publish one checkpoint as `step` against the newest committed step (resuming), then exit."""
+    config = config.model_copy(update={"resume": True})
+    async with AsyncPublisher(config) as publisher:
+        state, files = await asyncio.to_thread(load_checkpoint, path, config.anchor_files)
+        await publisher.publish(step, state, files)
+        del state
+    return _outcome(publisher, [step])
+
+
+async def watch(config: PublisherConfig, root: Path, once: bool = False) -> list[StepReport]:
+    """Publish each complete checkpoint under root in step order; with once, those present now, then return."""
+    if once:  # a backfill publishes every checkpoint: wait for uploads instead of skipping
+        config = config.model_copy(update={"on_backpressure": "block"})
+    async with AsyncPublisher(config) as publisher:
+        published: list[int] = []
+        last = -1
+        if not root.is_dir():
+            log.warning("watching %s, which does not exist yet", root)
+        while True:
+            for ckpt in find_checkpoints(root):
+                if ckpt.step <= last:
+                    continue
+                if reason := await asyncio.to_thread(incomplete_reason, ckpt.path, config.watch):
+                    if not once:
+                        log.debug("checkpoint %s: waiting (%s)", ckpt.path, reason)
+                        break  # strictly in step order: wait for this one
+                    log.warning("checkpoint %s: skipped, not complete (%s)", ckpt.path, reason)
+                    continue
+                last = ckpt.step
+                if ckpt.step <= publisher.last_step:
+                    log.warning("checkpoint %s: skipped, step %d is already published", ckpt.path, ckpt.step)
+                    continue
+                state, files = await asyncio.to_thread(load_checkpoint, ckpt.path, config.anchor_files)
+                await publisher.publish(ckpt.step, state, files)
+                del state
+                published.append(ckpt.step)
+                if config.watch.delete_consumed:
+                    await asyncio.to_thread(shutil.rmtree, ckpt.path)
+                    log.info("checkpoint %s: deleted after reading", ckpt.path)
+            if once:
+                break
+            await asyncio.sleep(config.watch.poll_seconds)
+    return _outcome(publisher, published) if once else list(publisher.reports)
+
+
+def _outcome(publisher: AsyncPublisher, steps: list[int]) -> list[StepReport]:
+    """The reports of the given steps; raises the last error if one of them did not commit."""
+    reports = [r for r in publisher.reports if r.step in steps]
+    committed = {r.step for r in reports if r.ok}
+    failed = [s for s in steps if s not in committed]
+    if failed and publisher.last_error is not None:
+        raise publisher.last_error
+    if failed:
+        raise PulseSyncError(f"steps {failed} were not published")
+    return reports

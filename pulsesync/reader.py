@@ -1,0 +1,144 @@
+"""Reading the published chain: ready listing, verified manifests and objects, anchors, reconstruction.
+
+Everything read is checked before use: manifests against trusted keys, objects against the size
+and SHA-256 their manifest lists, states against the manifest's state digest. Shared by the
+publisher (resume), the subscriber and `pulsesync verify`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from pulsesync import layout
+from pulsesync.codec import apply_patch
+from pulsesync.digest import StateDigest, state_digest
+from pulsesync.errors import IntegrityError, NotFoundError
+from pulsesync.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
+from pulsesync.store import Store
+
+WEIGHT_SUFFIX = ".safetensors"
+
+
+@dataclass
+class Reconstructed:
+    """A state rebuilt from the store and verified, with where its chain starts."""
+
+    step: int
+    state: dict[str, torch.Tensor]
+    digest: StateDigest
+    anchor_step: int
+    patches_applied: int
+
+
+@dataclass
+class ChainReader:
+    """Verified reads of one store prefix; ready markers are listed incrementally."""
+
+    store: Store
+    trusted: Mapping[str, Ed25519PublicKey]
+    threads: int = 1
+    bytes_downloaded: int = 0
+    manifests_verified: int = 0
+    _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
+    _last_key: str | None = None
+
+    async def ready(self) -> dict[int, set[layout.Kind]]:
+        """Ready steps and their kinds, refreshed with one listing after the last key seen."""
+        async for info in self.store.list("ready/", start_after=self._last_key):
+            self._last_key = info.key
+            if entry := layout.parse_ready_key(info.key):
+                self._ready.setdefault(entry.step, set()).add(entry.kind)
+        return self._ready
+
+    async def manifest(
+        self, step: int, kind: layout.Kind, newer_than: int | None = None
+    ) -> PatchManifest | AnchorManifest:
+        """The verified manifest of a step's patch or anchor."""
+        key = layout.ready_key(step, kind)
+        data = await self.store.get(key)
+        self.bytes_downloaded += len(data)
+        manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
+        if manifest.step != step or manifest.kind != kind:
+            raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
+        self.manifests_verified += 1
+        return manifest
+
+    async def fetch(self, ref: ObjectRef) -> bytes:
+        """An object's bytes, checked against the size and SHA-256 its manifest lists."""
+        data = await self.store.get(ref.key)
+        self.bytes_downloaded += len(data)
+        if len(data) != ref.size:
+            raise IntegrityError(f"{self.store.url}{ref.key}: {len(data)} bytes, its manifest lists {ref.size}")
+        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        if sha != ref.sha256:
+            raise IntegrityError(f"{self.store.url}{ref.key}: SHA-256 {sha} does not match its manifest ({ref.sha256})")
+        return data
+
+    async def load_anchor(self, manifest: AnchorManifest) -> tuple[dict[str, torch.Tensor], StateDigest]:
+        """The anchor's state from its safetensors shards, checked against its state digest."""
+        state: dict[str, torch.Tensor] = {}
+        for ref in manifest.objects:
+            if not ref.key.endswith(WEIGHT_SUFFIX):
+                continue
+            data = await self.fetch(ref)
+            try:
+                shard = await asyncio.to_thread(load_safetensors, data)
+            except SafetensorError as e:
+                raise IntegrityError(f"{self.store.url}{ref.key}: not a valid safetensors file ({e})") from None
+            if duplicate := state.keys() & shard.keys():
+                raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
+            state.update(shard)
+        digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, self.threads)
+        check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
+        return state, digest
+
+    async def apply(self, state: dict[str, torch.Tensor], digest: StateDigest, manifest: PatchManifest) -> StateDigest:
+        """Apply a verified patch in place to a state whose digest is `digest`; returns the checked new digest."""
+        if digest.root != manifest.base_digest:
+            raise IntegrityError(
+                f"patch {manifest.step}: its base digest {manifest.base_digest} is not the held state's {digest.root}"
+            )
+        data = await self.fetch(manifest.objects[0])
+        new = await asyncio.to_thread(apply_patch, state, data, base_digest=digest, threads=self.threads)
+        assert new is not None  # verify=True
+        check_digest(new, manifest.state_digest, f"patch {manifest.step}")
+        return new
+
+    async def reconstruct(self, step: int | None = None) -> Reconstructed:
+        """Rebuild a ready step (default: the newest) from the nearest anchor on its chain, verifying every link."""
+        ready = await self.ready()
+        if not ready:
+            raise NotFoundError(f"{self.store.url}: no ready steps")
+        target = max(ready) if step is None else step
+        links: list[PatchManifest] = []
+        at = target
+        while "anchor" not in ready.get(at, ()):  # walk base_step links back to an anchor
+            if "patch" not in ready.get(at, ()):
+                raise NotFoundError(f"{self.store.url}: step {at} is not ready, so step {target} cannot be rebuilt")
+            link = await self.manifest(at, "patch")
+            assert isinstance(link, PatchManifest)
+            links.append(link)
+            at = link.base_step
+        anchor = await self.manifest(at, "anchor")
+        assert isinstance(anchor, AnchorManifest)
+        state, digest = await self.load_anchor(anchor)
+        for link in reversed(links):
+            digest = await self.apply(state, digest, link)
+        return Reconstructed(target, state, digest, at, len(links))
+
+
+def check_digest(actual: StateDigest, expected: StateDigest, what: str) -> None:
+    """IntegrityError naming the differing tensors unless two state digests agree."""
+    if actual.root != expected.root:
+        raise IntegrityError(
+            f"{what}: state digest {actual.root} does not match the manifest's {expected.root} "
+            f"({actual.describe_mismatch(expected)})"
+        )
