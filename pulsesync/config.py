@@ -99,7 +99,7 @@ class PublisherConfig(Config):
     anchor_bytes_budget: int | None = Field(
         None, ge=1, description="also anchor once patch bytes since the last anchor exceed this"
     )
-    shard_size: int = Field(5 * 10**9, ge=1 << 20, description="largest anchor shard in bytes (HF default 5 GB)")
+    shard_size: int = Field(5 * 10**9, ge=1 << 16, description="largest anchor shard in bytes (HF default 5 GB)")
     anchor_files: list[str] = Field(
         default_factory=lambda: list(DEFAULT_ANCHOR_FILES),
         description="glob patterns of checkpoint files (non-weights) copied into anchors",

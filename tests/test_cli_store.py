@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pulsesync.cli import main
-from tests.servers import BUCKET, moto_server
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    with moto_server() as endpoint:
-        yield endpoint
+from tests.servers import BUCKET
 
 
 def _round_trip(flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog) -> None:

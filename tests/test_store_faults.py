@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,16 +18,10 @@ import pytest
 from pulsesync.errors import AccessDeniedError, NotFoundError, PulseSyncError, StoreError
 from pulsesync.store import RetryPolicy, S3Store
 from tests.fault_proxy import FaultProxy
-from tests.servers import ACCESS_KEY, BUCKET, SECRET_KEY, moto_server
+from tests.servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
 pytestmark = pytest.mark.integration
 FAST = RetryPolicy(attempts=6, initial_wait=0.01, max_wait=0.05)
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    with moto_server() as endpoint:
-        yield endpoint
 
 
 @pytest.fixture

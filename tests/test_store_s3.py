@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 
 from pulsesync.store import S3Store
-from tests.servers import BUCKET, moto_server, seaweedfs_server
+from tests.servers import BUCKET, seaweedfs_server
 from tests.store_conformance import StoreConformance
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    with moto_server() as endpoint:
-        yield endpoint
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from pulsesync.errors import IntegrityError, NotFoundError
 
 CHECKPOINT_DIR = re.compile(r"^(?:checkpoint-)?(\d+)$")
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_NAME = re.compile(r"-\d{5}-of-(\d{5})\.safetensors$")  # HF shard names: the index must follow
 _HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -80,6 +81,11 @@ def incomplete_reason(path: Path, watch: WatchConfig, now: float | None = None) 
     if not weights:
         return "no *.safetensors file yet"
     index = path / INDEX_FILE
+    sharded = [m for w in weights if (m := SHARD_NAME.search(w.name))]
+    if sharded and not index.exists():
+        return f"{INDEX_FILE} not written yet"
+    if sharded and len(weights) < int(sharded[0].group(1)):
+        return f"{len(weights)} of {sharded[0].group(1)} shards written"
     if index.exists():
         try:
             listed = set(json.loads(index.read_text())["weight_map"].values())

@@ -1,0 +1,86 @@
+"""A Store wrapper that records the order of writes and injects failures or stalls into chosen ones.
+
+In-process fault injection: it wraps a real backend (filesystem or S3 over HTTP) and only decides,
+per write, to raise, to stall, or to pass the call through. A real server cannot fail exactly
+"the ready marker of step 5", which is what these tests need.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+
+from pulsesync.store import ObjectInfo, ProgressCallback, Store, TransferResult
+
+Hook = Callable[[str, str], None]
+"""hook(op, key): raise to fail the write, sleep to stall it; return to let it through."""
+
+
+class RecordingStore(Store):
+    """Delegates to a real store; `writes` lists (op, key) of every completed write, in order."""
+
+    def __init__(self, inner: Store, hook: Hook | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.hook = hook
+        self.writes: list[tuple[str, str]] = []
+        self.supports_multipart = inner.supports_multipart
+        self.supports_parallel_ranged_get = inner.supports_parallel_ranged_get
+
+    def _before(self, op: str, key: str) -> None:
+        if self.hook is not None:
+            self.hook(op, key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def get(self, key: str) -> bytes:
+        return await self.inner.get(key)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        return await self.inner.get_range(key, start, end)
+
+    def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        return self.inner.stream(key, chunk_size)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+        return self.inner.list(prefix, start_after)
+
+    async def put(self, key: str, data: bytes) -> None:
+        self._before("put", key)
+        await self.inner.put(key, data)
+        self.writes.append(("put", key))
+
+    async def put_if_absent(self, key: str, data: bytes) -> None:
+        self._before("put_if_absent", key)
+        await self.inner.put_if_absent(key, data)
+        self.writes.append(("put_if_absent", key))
+
+    async def delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for key in keys:
+            self._before("delete", key)
+        await self.inner.delete_many(keys)
+        self.writes.extend(("delete", k) for k in keys)
+
+    async def upload_file(self, key: str, path: Path, progress: ProgressCallback | None = None) -> TransferResult:
+        self._before("upload_file", key)
+        done = await self.inner.upload_file(key, path, progress)
+        self.writes.append(("upload_file", key))
+        return done
+
+    async def download_file(
+        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+    ) -> TransferResult:
+        return await self.inner.download_file(key, path, progress, expected_sha256)
+
+
+def stall_forever(flag: Path) -> None:
+    """Signal that the stall point is reached (creates flag), then block until the process is killed."""
+    flag.write_text("reached")
+    while True:
+        time.sleep(60)

@@ -1,0 +1,341 @@
+"""The publisher against real stores (filesystem and moto in server mode): objects, commit order, failures."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import REGISTRY
+
+from pulsesync import layout, signing
+from pulsesync.config import PublisherConfig
+from pulsesync.errors import ConflictError, StoreError
+from pulsesync.manifest import AnchorManifest, PatchManifest, verify_manifest
+from pulsesync.publisher import AsyncPublisher, Publisher
+from pulsesync.reader import ChainReader
+from pulsesync.store import FileStore, S3Store, Store
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+from tests.helpers import assert_states_equal
+from tests.recording_store import RecordingStore
+from tests.servers import BUCKET
+
+ROOT = Path(__file__).parent.parent
+
+
+@functools.cache
+def trainer_states(n: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
+    """States 0..n-1 of a small synthetic model (deterministic: other processes regenerate them)."""
+    trainer = SyntheticTrainer(llm_like_shapes(hidden=64, layers=2, vocab=96 * 64), lr=1e-5, seed=seed)
+    states = []
+    for step in range(n):
+        if step:
+            trainer.step()
+        states.append(trainer.state())
+    return tuple(states)
+
+
+def config(**overrides: object) -> PublisherConfig:
+    """Small shards (several per anchor) and no skipping unless a test asks for it."""
+    defaults: dict[str, object] = {"anchor_interval": 10, "shard_size": 256 << 10, "on_backpressure": "block"}
+    return PublisherConfig.model_validate(defaults | overrides)
+
+
+@pytest.fixture(params=["fs", pytest.param("moto", marks=pytest.mark.integration)])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    if request.param == "fs":
+        yield FileStore(tmp_path / "store")
+        return
+    s3 = S3Store(BUCKET, f"pub-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("moto_endpoint"))
+    yield s3
+    await s3.close()
+
+
+@pytest.fixture
+def key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def trusted(key: Ed25519PrivateKey) -> dict[str, object]:
+    return dict(signing.trusted_keys([key.public_key()]))
+
+
+async def publish_steps(
+    store: Store, key: Ed25519PrivateKey, steps: range, cfg: PublisherConfig | None = None
+) -> AsyncPublisher:
+    publisher = AsyncPublisher(cfg or config(), store=store, signing_key=key)
+    async with publisher:
+        for step in steps:
+            await publisher.publish(step, trainer_states(steps.stop)[step], {"config.json": b'{"model_type": "t"}'})
+    return publisher
+
+
+async def ready_kinds(store: Store) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    async for info in store.list("ready/"):
+        entry = layout.parse_ready_key(info.key)
+        assert entry is not None, info.key
+        out.setdefault(entry.step, set()).add(entry.kind)
+    return out
+
+
+async def assert_every_step_rebuilds(store: Store, key: Ed25519PrivateKey, states: tuple[dict, ...]) -> None:
+    reader = ChainReader(store, trusted(key))  # type: ignore[arg-type]
+    for step in await reader.ready():
+        rebuilt = await reader.reconstruct(step)
+        assert_states_equal(rebuilt.state, states[step])
+
+
+async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_rebuilds(
+    store: Store, key: Ed25519PrivateKey
+) -> None:
+    publisher = await publish_steps(store, key, range(30))
+    run = publisher.run_id
+    assert await ready_kinds(store) == {s: {"patch"} | ({"anchor"} if s % 10 == 0 else set()) for s in range(1, 30)} | {
+        0: {"anchor"}
+    }
+    keys = [info.key async for info in store.list()]
+    patches = [layout.patch_key(s, run) for s in range(1, 30)]
+    anchor_files = {"config.json", "model.safetensors.index.json"}
+    anchors = {k for k in keys if k.startswith("anchors/")}
+    assert {k.rsplit("/", 1)[0] + "/" for k in anchors} == {layout.anchor_dir(s, run) for s in (0, 10, 20)}
+    for step in (0, 10, 20):
+        names = {k.rsplit("/", 1)[1] for k in anchors if k.startswith(layout.anchor_dir(step, run))}
+        shards = names - anchor_files
+        assert anchor_files <= names and len(shards) >= 2 and all(n.startswith("model-0000") for n in shards)
+    ready = [layout.ready_key(s, k) for s, kinds in (await ready_kinds(store)).items() for k in kinds]
+    assert sorted(keys) == sorted([*patches, *anchors, *ready])
+
+    anchors_so_far = [0]
+    for step in range(30):
+        for kind in ("patch", "anchor"):
+            if (step == 0 and kind == "patch") or (kind == "anchor" and step % 10):
+                continue
+            manifest = verify_manifest(await store.get(layout.ready_key(step, kind)), trusted(key))  # type: ignore[arg-type]
+            assert manifest.step == step and manifest.key_id == signing.key_id(key.public_key())
+            if isinstance(manifest, PatchManifest):
+                assert manifest.base_step == step - 1 and manifest.anchor_step in anchors_so_far
+                assert manifest.objects[0].key == layout.patch_key(step, run)
+            else:
+                assert isinstance(manifest, AnchorManifest) and manifest.codec.shards >= 2
+                anchors_so_far.append(step)
+    await assert_every_step_rebuilds(store, key, trainer_states(30))
+    assert [r.step for r in publisher.reports if r.kind == "anchor"] == [0, 10, 20]
+
+
+async def test_the_ready_marker_is_the_last_write_of_every_step(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    store = RecordingStore(FileStore(tmp_path / "store"))
+    await publish_steps(store, key, range(12), config(anchor_interval=4))
+    markers = [i for i, (_, k) in enumerate(store.writes) if k.startswith("ready/")]
+    assert len(markers) == 11 + 3  # patches 1..11, anchors 0, 4, 8
+    for i in markers:
+        op, marker = store.writes[i]
+        assert op == "put_if_absent"
+        manifest = json.loads(await store.get(marker))
+        written_before = {k for _, k in store.writes[:i]}
+        assert {o["key"] for o in manifest["objects"]} <= written_before, marker
+
+
+async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, key: Ed25519PrivateKey) -> None:
+    def fail_step_5(op: str, k: str) -> None:
+        if k.startswith("ready/000000000005."):
+            raise StoreError(f"injected: cannot write {k}")
+
+    failures_before = REGISTRY.get_sample_value("pulsesync_publish_failures_total", {"kind": "patch"}) or 0
+    recording = RecordingStore(store, fail_step_5)
+    publisher = await publish_steps(recording, key, range(9))
+    ready = await ready_kinds(store)
+    assert 5 not in ready and set(ready) == {0, 1, 2, 3, 4, 6, 7, 8}
+    # The payload went up, the marker did not: the step is invisible, the orphan is harmless.
+    assert [k async for k in store.list(layout.patch_prefix(5))]
+    patch6 = verify_manifest(await store.get(layout.ready_key(6, "patch")), trusted(key))  # type: ignore[arg-type]
+    assert isinstance(patch6, PatchManifest) and patch6.base_step == 4
+    # A subscriber at step 4 applies patch 6 cleanly and lands bitwise on the trainer's step 6.
+    reader = ChainReader(store, trusted(key))  # type: ignore[arg-type]
+    at4 = await reader.reconstruct(4)
+    digest = await reader.apply(at4.state, at4.digest, patch6)
+    assert digest.root == patch6.state_digest.root
+    assert_states_equal(at4.state, trainer_states(9)[6])
+    await assert_every_step_rebuilds(store, key, trainer_states(9))
+    failed = [(r.step, r.kind) for r in publisher.reports if not r.ok]
+    assert failed == [(5, "patch"), (5, "anchor")]  # the patch failed, then the anchor that replaces it
+    assert REGISTRY.get_sample_value("pulsesync_publish_failures_total", {"kind": "patch"}) == failures_before + 1
+
+
+async def test_a_patch_that_fails_after_retries_is_replaced_by_an_anchor(store: Store, key: Ed25519PrivateKey) -> None:
+    def fail_patch_5(op: str, k: str) -> None:
+        if k.startswith(layout.patch_prefix(5)):
+            raise StoreError(f"injected: put {k} gave up after retries")
+
+    await publish_steps(RecordingStore(store, fail_patch_5), key, range(9))
+    ready = await ready_kinds(store)
+    assert ready[5] == {"anchor"} and ready[6] == {"patch"}
+    patch6 = verify_manifest(await store.get(layout.ready_key(6, "patch")), trusted(key))  # type: ignore[arg-type]
+    assert isinstance(patch6, PatchManifest) and (patch6.base_step, patch6.anchor_step) == (5, 5)
+    await assert_every_step_rebuilds(store, key, trainer_states(9))
+
+
+async def test_a_second_publisher_on_the_prefix_gets_conflict_and_overwrites_nothing(
+    store: Store, key: Ed25519PrivateKey
+) -> None:
+    states = trainer_states(8)
+    first = AsyncPublisher(config(), store=store, signing_key=key)
+    await first.start()
+    for step in range(4):
+        await first.publish(step, states[step])
+    await first.flush()
+    before = {info.key: await store.get(info.key) async for info in store.list()}
+
+    second = AsyncPublisher(config(), store=store, signing_key=Ed25519PrivateKey.generate())
+    await second.start()
+    with pytest.raises(ConflictError, match="step 3 is not newer than step 3"):
+        await second.publish(3, states[3])
+    # The first publisher goes on; the second, not knowing, publishes the same next step.
+    await first.publish(4, states[4])
+    await first.flush()
+    await second.publish(4, states[4])
+    with pytest.raises(ConflictError, match=r"another publisher wrote step 4 to .*; stopping"):
+        await second.flush()
+    with pytest.raises(ConflictError):
+        await second.publish(5, states[5])  # stopped for good
+    after = {info.key: await store.get(info.key) async for info in store.list()}
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert not [
+        k for k in after if k not in before and not k.startswith(("patches/000000000004/", "ready/000000000004"))
+    ]
+    await first.close()
+    await assert_every_step_rebuilds(store, key, states)
+
+
+async def test_a_marker_race_is_lost_cleanly_by_put_if_absent(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    """Two publishers past the listing check at once: put-if-absent decides, the loser stops."""
+    store = FileStore(tmp_path / "store")
+    states = trainer_states(3)
+    await publish_steps(store, key, range(2))
+    late = AsyncPublisher(config(), store=store, signing_key=key)
+    await late.start()
+    intruder = await store.get(layout.ready_key(1, "patch"))
+    await store.put_if_absent(layout.ready_key(2, "anchor"), intruder)  # appears after late's listing
+    late._seen_key = layout.ready_key(2, "anchor")  # as if its listing ran just before the intruder wrote
+    await late.publish(2, states[2])
+    with pytest.raises(ConflictError, match="already exists: another publisher"):
+        await late.flush()
+    assert await store.get(layout.ready_key(2, "anchor")) == intruder
+
+
+async def test_steps_must_strictly_increase(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    async with AsyncPublisher(config(), store=FileStore(tmp_path / "s"), signing_key=key) as publisher:
+        await publisher.publish(5, trainer_states(2)[0])
+        for stale in (5, 4):
+            with pytest.raises(ConflictError, match=f"step {stale} is not newer than step 5"):
+                await publisher.publish(stale, trainer_states(2)[1])
+
+
+async def test_resume_uses_the_cache_when_its_digest_matches_else_rebuilds(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    store_dir, cache = tmp_path / "store", tmp_path / "cache"
+    states = trainer_states(8)
+    await publish_steps(FileStore(store_dir), key, range(4), config(cache_dir=cache))
+    assert json.loads((cache / "state.json").read_text())["step"] == 3
+
+    for case in ("cache", "corrupt-cache", "no-cache"):
+        store = RecordingStore(FileStore(store_dir))
+        reads: list[str] = []
+        get = store.get
+
+        async def counting_get(k: str, get=get) -> bytes:  # type: ignore[no-untyped-def]
+            reads.append(k)
+            return await get(k)
+
+        store.get = counting_get  # type: ignore[method-assign]
+        if case == "corrupt-cache":
+            data = bytearray((cache / "state.safetensors").read_bytes())
+            data[-1] ^= 0x01
+            (cache / "state.safetensors").write_bytes(bytes(data))
+        if case == "no-cache":
+            cache = tmp_path / "empty"
+        step = {"cache": 4, "corrupt-cache": 5, "no-cache": 6}[case]
+        publisher = AsyncPublisher(config(cache_dir=cache, resume=True), store=store, signing_key=key)
+        async with publisher:
+            await publisher.publish(step, states[step])
+        assert [(r.step, r.kind, r.ok) for r in publisher.reports] == [(step, "patch", True)], case
+        from_anchor = any(k.startswith("anchors/") for k in reads)
+        assert from_anchor == (case != "cache"), case
+    await assert_every_step_rebuilds(FileStore(store_dir), key, states)
+
+
+async def test_backpressure_skip_publishes_the_newest_and_counts(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    def slow_uploads(op: str, k: str) -> None:
+        if k.startswith("patches/"):
+            time.sleep(0.2)  # blocks the publisher's event loop: uploads fall behind the trainer
+
+    store = RecordingStore(FileStore(tmp_path / "store"), slow_uploads)
+    states = trainer_states(12)
+    skipped_before = REGISTRY.get_sample_value("pulsesync_skipped_steps_total") or 0
+    publisher = await publish_steps(store, key, range(12), config(on_backpressure="skip"))
+    ready = await ready_kinds(store)
+    assert publisher.skipped > 0 and 11 in ready
+    assert len(ready) + publisher.skipped == 12
+    assert REGISTRY.get_sample_value("pulsesync_skipped_steps_total") == skipped_before + publisher.skipped
+    await assert_every_step_rebuilds(store, key, states)
+
+
+def test_blocking_api_returns_after_the_snapshot_and_publishes_in_the_background(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    states = trainer_states(5)
+    with Publisher(config(), store=FileStore(tmp_path / "store"), signing_key=key) as publisher:
+        for step, state in enumerate(states):
+            live = {n: t.clone() for n, t in state.items()}
+            publisher.publish(step, live)
+            for t in live.values():  # the trainer overwrites its weights right after publish() returns
+                t.view(torch.int16).add_(1)
+        publisher.flush()
+        assert [(r.step, r.ok) for r in publisher.reports] == [(s, True) for s in range(5)]
+        line = publisher.reports[-1].log_line()
+        assert line.startswith("published step=4 kind=patch ok=true") and "encode_s=" in line
+    import asyncio
+
+    asyncio.run(assert_every_step_rebuilds(FileStore(tmp_path / "store"), key, states))
+
+
+def test_kill_9_between_payload_and_marker_leaves_no_step_and_the_next_run_continues(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    store_dir, key_file, flag = tmp_path / "store", tmp_path / "publisher.key", tmp_path / "stalled"
+    signing.write_keypair(tmp_path)
+    key = signing.load_private_key(key_file)
+    run = [sys.executable, "-m", "tests.publisher_proc", str(store_dir), str(key_file)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*run, "0", "9", "6", str(flag)], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert proc.poll() is None, "the publisher exited before reaching the stall point"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    store = FileStore(store_dir)
+    import asyncio
+
+    ready = asyncio.run(ready_kinds(store))
+    assert set(ready) == {0, 1, 2, 3, 4, 5}  # step 6's payload is there, its marker is not
+    assert asyncio.run(store.exists(layout.ready_key(6, "patch"))) is False
+    assert any(p.name.startswith("patch-") for p in (store_dir / layout.patch_prefix(6)).iterdir())
+
+    subprocess.run([*run, "6", "12"], cwd=ROOT, env=env, check=True, timeout=300)
+    assert set(asyncio.run(ready_kinds(store))) == set(range(13))
+    asyncio.run(assert_every_step_rebuilds(store, key, trainer_states(13)))
