@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,6 +61,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
     from pulsesync.config import PublisherConfig
     from pulsesync.errors import ConfigError
+    from pulsesync.publisher import StepReport
     from pulsesync.publisher.daemon import publish_checkpoint, watch
 
     config = load_config(
@@ -79,7 +81,14 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         reports = asyncio.run(publish_checkpoint(config, args.checkpoint, args.step))
     else:
-        reports = asyncio.run(watch(config, args.watch, once=args.once))
+
+        async def watch_until_signal() -> list[StepReport]:
+            stop = asyncio.Event()  # SIGTERM/SIGINT: publish what is complete, flush, exit 0
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            return await watch(config, args.watch, once=args.once, stop=stop)
+
+        reports = asyncio.run(watch_until_signal())
     for report in reports:
         print(report.log_line())
     return 0

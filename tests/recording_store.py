@@ -18,13 +18,14 @@ Hook = Callable[[str, str], None]
 
 
 class RecordingStore(Store):
-    """Delegates to a real store; `writes` lists (op, key) of every completed write, in order."""
+    """Delegates to a real store; `writes` lists (op, key) of every completed write in order, `reads` each get."""
 
     def __init__(self, inner: Store, hook: Hook | None = None) -> None:
         self.inner = inner
         self.url = inner.url
         self.hook = hook
         self.writes: list[tuple[str, str]] = []
+        self.reads: list[str] = []
         self.supports_multipart = inner.supports_multipart
         self.supports_parallel_ranged_get = inner.supports_parallel_ranged_get
 
@@ -36,6 +37,7 @@ class RecordingStore(Store):
         await self.inner.close()
 
     async def get(self, key: str) -> bytes:
+        self.reads.append(key)
         return await self.inner.get(key)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -25,8 +26,14 @@ async def publish_checkpoint(config: PublisherConfig, path: Path, step: int) -> 
     return _outcome(publisher, [step])
 
 
-async def watch(config: PublisherConfig, root: Path, once: bool = False) -> list[StepReport]:
-    """Publish each complete checkpoint under root in step order; with once, those present now, then return."""
+async def watch(
+    config: PublisherConfig, root: Path, once: bool = False, stop: asyncio.Event | None = None
+) -> list[StepReport]:
+    """Publish each complete checkpoint under root in step order until `stop` is set (after one last scan).
+
+    With once: the checkpoints complete now, then return.
+    """
+    stop = stop or asyncio.Event()
     if once:  # a backfill publishes every checkpoint: wait for uploads instead of skipping
         config = config.model_copy(update={"on_backpressure": "block"})
     async with AsyncPublisher(config) as publisher:
@@ -55,9 +62,10 @@ async def watch(config: PublisherConfig, root: Path, once: bool = False) -> list
                 if config.watch.delete_consumed:
                     await asyncio.to_thread(shutil.rmtree, ckpt.path)
                     log.info("checkpoint %s: deleted after reading", ckpt.path)
-            if once:
+            if once or stop.is_set():
                 break
-            await asyncio.sleep(config.watch.poll_seconds)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), config.watch.poll_seconds)
     return _outcome(publisher, published) if once else list(publisher.reports)
 
 

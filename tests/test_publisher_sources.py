@@ -1,0 +1,216 @@
+"""Publisher sources: checkpoint completeness, --watch on a real transformers trainer, the CLI, the Trainer callback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pulsesync import layout, signing
+from pulsesync.cli import main
+from pulsesync.config import PublisherConfig, WatchConfig
+from pulsesync.manifest import AnchorManifest
+from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
+from pulsesync.publisher.daemon import watch
+from pulsesync.reader import ChainReader
+from pulsesync.store import FileStore
+from tests.helpers import assert_states_equal
+from tests.servers import free_port
+
+ROOT = Path(__file__).parent.parent
+transformers = pytest.importorskip("transformers")
+
+
+def write_checkpoint(path: Path, state: dict[str, torch.Tensor], files: dict[str, str] | None = None) -> None:
+    path.mkdir(parents=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for name, text in (files or {}).items():
+        (path / name).write_text(text)
+
+
+def small_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 40, generator=g).bfloat16(), "b": torch.randn(40, generator=g).bfloat16()}
+
+
+def test_incomplete_checkpoints_are_recognized(tmp_path: Path) -> None:
+    now_settled = WatchConfig(settle_seconds=0)
+    ckpt = tmp_path / "checkpoint-3"
+    write_checkpoint(ckpt, small_state(0), {"config.json": "{}"})
+    assert incomplete_reason(ckpt, now_settled) is None
+    weights = ckpt / "model.safetensors"
+    data = weights.read_bytes()
+    for cut in (4, 100, len(data) - 1):  # mid-header, mid-JSON, mid-data
+        weights.write_bytes(data[:cut])
+        assert incomplete_reason(ckpt, now_settled) is not None, cut
+    weights.write_bytes(data)
+    assert "no DONE yet" in str(incomplete_reason(ckpt, WatchConfig(settle_seconds=0, completion_file="DONE")))
+    assert "settle_seconds" in str(incomplete_reason(ckpt, WatchConfig(settle_seconds=60)))
+    # HF shard names promise an index and N shards.
+    weights.rename(ckpt / "model-00001-of-00002.safetensors")
+    assert "index.json not written yet" in str(incomplete_reason(ckpt, now_settled))
+    index = {"weight_map": {"w": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "1 of 00002 shards written" in str(incomplete_reason(ckpt, now_settled))
+
+
+def test_load_checkpoint_takes_weights_and_the_listed_files(tmp_path: Path) -> None:
+    ckpt = tmp_path / "7"
+    write_checkpoint(ckpt, small_state(1), {"config.json": "{}", "tokenizer.json": "{}", "optimizer.txt": "x"})
+    state, files = load_checkpoint(ckpt, PublisherConfig().anchor_files)
+    assert_states_equal(state, small_state(1))
+    assert sorted(files) == ["config.json", "tokenizer.json"]
+    single, none = load_checkpoint(ckpt / "model.safetensors", [])
+    assert_states_equal(single, small_state(1)) if not none else pytest.fail("a file has no side files")
+
+
+async def test_watch_publishes_checkpoints_that_save_pretrained_writes_in_a_subprocess(tmp_path: Path) -> None:
+    ckpts, store_dir = tmp_path / "ckpts", tmp_path / "store"
+    ckpts.mkdir()
+    signing.write_keypair(tmp_path)
+    config = PublisherConfig.model_validate(
+        {
+            "store": {"url": store_dir.as_uri()},
+            "signing_key": str(tmp_path / "publisher.key"),
+            "anchor_interval": 2,
+            "on_backpressure": "block",
+            "shard_size": 100_000,  # several anchor shards, like the trainer's
+            # No settling time: completeness must come from the files themselves (index, shard sizes).
+            "watch": {"poll_seconds": 0.01, "settle_seconds": 0},
+        }
+    )
+    steps = 4
+    proc = subprocess.Popen([sys.executable, "-m", "tests.hf_trainer_proc", str(ckpts), str(steps)], cwd=ROOT)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch(config, ckpts, stop=stop))
+    while proc.poll() is None:
+        assert not watcher.done(), watcher.exception()
+        await asyncio.sleep(0.05)
+    assert proc.returncode == 0 and (ckpts / "done").exists()
+    stop.set()
+    reports = await watcher
+    assert sorted({r.step for r in reports if r.ok}) == list(range(1, steps + 1))
+    assert all(r.ok for r in reports)
+
+    store = FileStore(store_dir)
+    reader = ChainReader(store, signing.trusted_keys([tmp_path / "publisher.pub"]))
+    for step in range(1, steps + 1):
+        on_disk = {}
+        for shard in sorted((ckpts / f"checkpoint-{step}").glob("*.safetensors")):
+            on_disk.update(load_file(shard))
+        assert_states_equal((await reader.reconstruct(step)).state, on_disk)
+
+    # The anchor directory opens with from_pretrained as is and computes the same logits.
+    anchor = await reader.manifest(3, "anchor")
+    assert isinstance(anchor, AnchorManifest)
+    local = tmp_path / "anchor-3"
+    for ref in anchor.objects:
+        await store.download_file(ref.key, local / ref.key.rsplit("/", 1)[1], expected_sha256=ref.sha256)
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= {
+        p.name for p in local.iterdir()
+    }
+    ids = torch.arange(12).reshape(1, 12)
+    logits = {}
+    for name, path in (("anchor", local), ("trainer", ckpts / "checkpoint-3")):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        with torch.no_grad():
+            logits[name] = model(input_ids=ids).logits
+    assert torch.equal(logits["anchor"].view(torch.int16), logits["trainer"].view(torch.int16))
+
+
+def test_cli_publish_one_checkpoint_then_backfill_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    signing.write_keypair(tmp_path)
+    for step in (10, 11, 12):
+        write_checkpoint(tmp_path / "ckpts" / f"checkpoint-{step}", small_state(step), {"config.json": "{}"})
+    flags = ["--store", (tmp_path / "store").as_uri(), "--signing-key", str(tmp_path / "publisher.key")]
+    one = ["publish", *flags, "--anchor-interval", "2", "--checkpoint"]
+    assert main([*one, str(tmp_path / "ckpts" / "checkpoint-10"), "--step", "10"]) == 0
+    assert "step=10 kind=anchor ok=true" in capsys.readouterr().out
+    assert main([*one, str(tmp_path / "ckpts" / "checkpoint-11" / "model.safetensors"), "--step", "11"]) == 0
+    assert "step=11 kind=patch ok=true" in capsys.readouterr().out
+    assert main([*one, str(tmp_path / "ckpts" / "checkpoint-12"), "--step", "12"]) == 0  # k=2: patch + anchor
+    out = capsys.readouterr().out
+    assert "step=12 kind=patch ok=true" in out and "step=12 kind=anchor ok=true" in out
+    assert main([*one, str(tmp_path / "ckpts" / "checkpoint-12"), "--step", "12"]) == 6
+    assert "ConflictError: step 12 is not newer than step 12" in capsys.readouterr().err
+    assert main([*one, str(tmp_path / "nope"), "--step", "13"]) == 5
+    assert "NotFoundError: checkpoint" in capsys.readouterr().err
+    assert main(["publish", *flags, "--checkpoint", str(tmp_path / "ckpts" / "checkpoint-12")]) == 3
+    assert "--checkpoint needs --step" in capsys.readouterr().err
+
+    # Backfill into a second prefix; consumed checkpoints are deleted.
+    config = tmp_path / "publisher.yaml"
+    config.write_text("watch:\n  settle_seconds: 0\n  delete_consumed: true\n")
+    backfill = ["publish", "--config", str(config), "--store", (tmp_path / "store2").as_uri()]
+    assert (
+        main(
+            [*backfill, "--signing-key", str(tmp_path / "publisher.key"), "--watch", str(tmp_path / "ckpts"), "--once"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.count("ok=true") == 3
+    assert not list((tmp_path / "ckpts").iterdir())
+    assert (tmp_path / "store2" / layout.ready_key(12, "patch")).exists()
+
+
+def test_cli_publish_rejects_bad_config_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "publisher.yaml"
+    config.write_text("anchor_interval: 0\n")
+    assert main(["publish", "--config", str(config), "--watch", str(tmp_path), "--once"]) == 3
+    assert "anchor_interval" in capsys.readouterr().err
+    config.write_text("anchor_intervall: 5\n")
+    assert main(["publish", "--config", str(config), "--watch", str(tmp_path), "--once"]) == 3
+    assert "anchor_intervall" in capsys.readouterr().err
+    assert main(["publish", "--store", (tmp_path / "s").as_uri(), "--watch", str(tmp_path), "--once"]) == 3
+    assert "signing_key" in capsys.readouterr().err
+
+
+def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path) -> None:
+    from pulsesync.integrations.transformers import PulseSyncCallback
+    from tests.hf_trainer_proc import TINY_QWEN2
+
+    signing.write_keypair(tmp_path)
+    port = free_port()
+    config = PublisherConfig.model_validate(
+        {
+            "store": {"url": (tmp_path / "store").as_uri()},
+            "signing_key": str(tmp_path / "publisher.key"),
+            "anchor_interval": 2,
+            "on_backpressure": "block",
+            "metrics_port": port,
+        }
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY_QWEN2))
+    ids = torch.randint(0, 512, (8, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+    )
+    callback = PulseSyncCallback(config)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'pulsesync_published_total{kind="patch"}' in text and "pulsesync_publish_stage_seconds_bucket" in text
+
+    reader = ChainReader(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
+    ready = asyncio.run(reader.ready())
+    assert ready == {1: {"anchor"}, 2: {"patch"}, 3: {"patch", "anchor"}}
+    final = asyncio.run(reader.reconstruct(3))
+    assert_states_equal(final.state, {n: t.detach() for n, t in model.state_dict().items()})
