@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import signal
@@ -133,8 +134,8 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
     assert [r.step for r in publisher.reports if r.kind == "anchor"] == [0, 10, 20]
 
 
-async def test_the_ready_marker_is_the_last_write_of_every_step(tmp_path: Path, key: Ed25519PrivateKey) -> None:
-    store = RecordingStore(FileStore(tmp_path / "store"))
+async def test_the_ready_marker_is_the_last_write_of_every_step(store: Store, key: Ed25519PrivateKey) -> None:
+    store = RecordingStore(store)
     await publish_steps(store, key, range(12), config(anchor_interval=4))
     markers = [i for i, (_, k) in enumerate(store.writes) if k.startswith("ready/")]
     assert len(markers) == 11 + 3  # patches 1..11, anchors 0, 4, 8
@@ -144,6 +145,19 @@ async def test_the_ready_marker_is_the_last_write_of_every_step(tmp_path: Path, 
         manifest = json.loads(await store.get(marker))
         written_before = {k for _, k in store.writes[:i]}
         assert {o["key"] for o in manifest["objects"]} <= written_before, marker
+
+
+async def test_an_anchor_also_follows_when_patch_bytes_exceed_the_budget(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    store = FileStore(tmp_path / "store")
+    publisher = await publish_steps(store, key, range(10), config(anchor_interval=100, anchor_bytes_budget=20_000))
+    patch_bytes = {r.step: r.wire_bytes for r in publisher.reports if r.kind == "patch"}
+    anchors = sorted(s for s, kinds in (await ready_kinds(store)).items() if "anchor" in kinds)
+    assert len(anchors) > 2 and anchors[0] == 0
+    for previous, anchor in itertools.pairwise(anchors):  # never before the budget is exceeded
+        assert sum(patch_bytes[s] for s in range(previous + 1, anchor + 1)) > 20_000
+    await assert_every_step_rebuilds(store, key, trainer_states(10))
 
 
 async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, key: Ed25519PrivateKey) -> None:
@@ -331,3 +345,24 @@ def test_kill_9_between_payload_and_marker_leaves_no_step_and_the_next_run_conti
     subprocess.run([*run, "6", "12"], cwd=ROOT, env=env, check=True, timeout=300)
     assert set(asyncio.run(ready_kinds(store))) == set(range(13))
     asyncio.run(assert_every_step_rebuilds(store, key, trainer_states(13)))
+
+
+def test_snapshot_pool_recycles_only_released_buffers() -> None:
+    from pulsesync.publisher.snapshot import SnapshotPool
+
+    pool = SnapshotPool(keep=1)
+    a, b = trainer_states(2)
+    first = pool.snapshot(a)
+    assert_states_equal(first, a)
+    pool.retain(first)
+    pool.release(first)  # still held once
+    second = pool.snapshot(b)
+    assert second is not first
+    pool.release(first)
+    third = pool.snapshot(b)
+    assert third is first  # the released buffers took the copy
+    assert_states_equal(third, b)
+    assert_states_equal(second, b)
+    other_shape = {"x": torch.zeros(3, dtype=torch.bfloat16)}
+    pool.release(third)
+    assert pool.snapshot(other_shape) is not third  # a different layout never reuses them

@@ -35,7 +35,7 @@ from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
 from pulsesync.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes, utc_now
 from pulsesync.publisher.anchor import write_anchor_dir
-from pulsesync.publisher.snapshot import dense_bytes, snapshot
+from pulsesync.publisher.snapshot import SnapshotPool, dense_bytes
 from pulsesync.reader import ChainReader
 from pulsesync.store import Store, open_store
 from pulsesync.tensors import State
@@ -166,6 +166,7 @@ class AsyncPublisher:
         self.last_error: PulseSyncError | None = None  # of the newest step that failed
         self._key = signing_key
         self._files = _read_files({p.name: p for p in config.extra_files})
+        self._pool = SnapshotPool(keep=config.max_pending + 1)
         self._pending: deque[_Snapshot] = deque()
         self._cond: asyncio.Condition | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -232,9 +233,13 @@ class AsyncPublisher:
     async def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
         """Snapshot a state to host memory and queue it; committing happens in the background."""
         self.check_step(step)
+        await self.submit(await asyncio.to_thread(self.take_snapshot, step, state, files))
+
+    def take_snapshot(self, step: int, state: State, files: FileSource | None = None) -> _Snapshot:
+        """Copy a state to host memory (blocking; any thread)."""
         t0 = time.perf_counter()
-        snap = await asyncio.to_thread(snapshot, state)
-        await self.submit(_Snapshot(step, snap, time.perf_counter() - t0, _read_files(files)))
+        buffers = self._pool.snapshot(state)
+        return _Snapshot(step, buffers, time.perf_counter() - t0, _read_files(files))
 
     @property
     def last_step(self) -> int:
@@ -264,6 +269,7 @@ class AsyncPublisher:
                 self._raise_fatal()
             elif len(self._pending) >= self.config.max_pending:
                 dropped = self._pending.popleft()
+                self._pool.release(dropped.state)
                 snap.files = dropped.files | snap.files
                 self.skipped += 1
                 metrics.SKIPPED_STEPS.inc()
@@ -295,6 +301,8 @@ class AsyncPublisher:
                 log.exception("step %d: publisher stopped", snap.step)
                 self._fatal = e
             finally:
+                if self._base is None or self._base.state is not snap.state:
+                    self._pool.release(snap.state)  # failed: nothing holds it
                 async with self._cond:
                     self._busy = False
                     if self._fatal is not None:
@@ -327,6 +335,7 @@ class AsyncPublisher:
         due = self._since_anchor >= self.config.anchor_interval or (budget is not None and self._patch_bytes > budget)
         if (due or self._anchor_owed) and (self._background is None or self._background.done()):
             self._since_anchor, self._patch_bytes, self._anchor_owed = 0, 0, False
+            self._pool.retain(snap.state)  # released when the anchor is done
             self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest))
 
     async def _anchor_instead(self, snap: _Snapshot, digest: StateDigest, timing: tuple[float, float]) -> None:
@@ -337,7 +346,9 @@ class AsyncPublisher:
 
     def _advance(self, snap: _Snapshot, digest: StateDigest) -> None:
         """Move the baseline to a committed step (never called before the ready marker is written)."""
-        self._base = _Baseline(snap.step, snap.state, digest)
+        old, self._base = self._base, _Baseline(snap.step, snap.state, digest)
+        if old is not None:
+            self._pool.release(old.state)
 
     async def _publish_patch(self, snap: _Snapshot, digest: StateDigest, timing: tuple[float, float]) -> StepReport:
         base = self._base
@@ -422,7 +433,7 @@ class AsyncPublisher:
             report.skipped_total = self.skipped
             self._report(report)
 
-    async def _background_anchor(self, step: int, state: State, digest: StateDigest) -> None:
+    async def _background_anchor(self, step: int, state: dict[str, torch.Tensor], digest: StateDigest) -> None:
         """The anchor of a step whose patch is committed; the chain goes on while it uploads."""
         try:
             await self._publish_anchor(step, state, digest, (0.0, 0.0))
@@ -432,6 +443,8 @@ class AsyncPublisher:
         except PulseSyncError as e:
             self._anchor_owed = True
             log.error("anchor %d: not published (%s: %s); retrying at the next step", step, type(e).__name__, e)
+        finally:
+            self._pool.release(state)
 
     def _report(self, report: StepReport) -> None:
         self.reports.append(report)
@@ -536,9 +549,7 @@ class Publisher:
     def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
         """Copy the state to host memory on this thread and queue it; returns as soon as the copy is done."""
         self._async.check_step(step)
-        t0 = time.perf_counter()
-        snap = snapshot(state)
-        self._run(self._async.submit(_Snapshot(step, snap, time.perf_counter() - t0, _read_files(files))))
+        self._run(self._async.submit(self._async.take_snapshot(step, state, files)))
 
     def flush(self) -> None:
         """Block until every published step is committed or failed."""

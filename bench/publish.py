@@ -1,0 +1,126 @@
+"""Trainer-facing cost of publishing: Publisher.publish() latency vs one plain copy of the state, same run.
+
+A synthetic bf16 model (AdamW at an RL learning rate; see pulsesync.synthetic) publishes a step
+every `--interval` seconds (the trainer's compute, slept here so the background pipeline has the
+CPU as it would beside a GPU trainer) into a filesystem store, with the default codec:
+  host_copy   {name: t.clone()} of the state: the copy to host memory every publisher must make
+  publish     Publisher.publish(step, state): returns once the snapshot is taken and queued;
+              digest, diff, encode, upload and commit run on the publisher's own thread
+The contract: publish < 2 x host_copy. The pipeline's own seconds per step are reported too, and
+the newest committed step is rebuilt from the store and checked bitwise.
+
+    python bench/publish.py                         # ~120M parameters
+    python bench/publish.py --quick --json out.json # ~9M parameters, < 60 s: the automation contract
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pulsesync import signing
+from pulsesync.config import PublisherConfig
+from pulsesync.publisher import Publisher
+from pulsesync.reader import ChainReader
+from pulsesync.store import FileStore
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+
+
+def make_states(hidden: int, layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    trainer = SyntheticTrainer(llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=1e-6, seed=0)
+    for _ in range(12):  # past AdamW's unusually dense first updates
+        trainer.step()
+    states = []
+    for _ in range(steps):
+        trainer.step()
+        states.append(trainer.state())
+    return states
+
+
+def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: int) -> dict[str, float]:
+    states = make_states(hidden, layers, steps)
+    dense = sum(t.numel() * t.element_size() for t in states[0].values())
+    copies = []
+    for state in states:
+        t0 = time.perf_counter()
+        copy = {n: t.clone() for n, t in state.items()}
+        copies.append(time.perf_counter() - t0)
+        del copy
+    key = Ed25519PrivateKey.generate()
+    latencies = []
+    with tempfile.TemporaryDirectory(prefix="pulsesync-bench-") as tmp:
+        store = FileStore(tmp)
+        config = PublisherConfig(anchor_interval=anchor_interval)
+        with Publisher(config, store=store, signing_key=key) as publisher:
+            for step, state in enumerate(states):
+                t0 = time.perf_counter()
+                publisher.publish(step, state)
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(interval)
+            publisher.flush()
+            reports = [r for r in publisher.reports if r.ok]
+            skipped = publisher.skipped
+        patches = [r for r in reports if r.kind == "patch"]
+        newest = max(r.step for r in reports)
+        reader = ChainReader(FileStore(tmp), signing.trusted_keys([key.public_key()]))
+        rebuilt = asyncio.run(reader.reconstruct(newest))
+        for name, t in states[newest].items():
+            assert torch.equal(rebuilt.state[name].view(torch.int16), t.view(torch.int16)), name
+    host_copy, publish = statistics.median(copies), statistics.median(latencies)
+    pipeline = [r.digest_s + r.encode_s + r.upload_s + r.commit_s for r in patches]
+    return {
+        "parameters": dense / 2,
+        "dense_bytes": dense,
+        "steps": steps,
+        "host_copy_s": host_copy,
+        "publish_s": publish,
+        "publish_max_s": max(latencies),
+        "ratio_publish_to_copy": publish / host_copy,
+        "pipeline_s_per_patch": statistics.median(pipeline) if pipeline else 0.0,
+        "patch_ratio": statistics.median(r.ratio for r in patches) if patches else 0.0,
+        "committed_steps": len({r.step for r in reports}),
+        "skipped_steps": skipped,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="~9M parameters, 8 steps")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--hidden", type=int, help="model width (default 768; quick 256)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
+    parser.add_argument("--steps", type=int, help="published steps (default 12; quick 8)")
+    parser.add_argument("--interval", type=float, help="trainer seconds between publishes (default 2.0; quick 0.5)")
+    parser.add_argument("--anchor-interval", type=int, default=50)
+    args = parser.parse_args()
+    hidden = args.hidden or (256 if args.quick else 768)
+    layers = args.layers or (4 if args.quick else 8)
+    steps = args.steps or (8 if args.quick else 12)
+    interval = args.interval if args.interval is not None else (0.5 if args.quick else 2.0)
+    r = run(hidden, layers, steps, interval, args.anchor_interval)
+    print(f"{r['parameters'] / 1e6:.0f}M parameters bf16 ({r['dense_bytes'] / 1e6:.0f} MB), {steps} steps")
+    print(f"{'measure':<28} {'seconds':>9}")
+    print(f"{'host_copy (baseline)':<28} {r['host_copy_s']:>9.4f}")
+    print(f"{'publish() median':<28} {r['publish_s']:>9.4f}")
+    print(f"{'publish() max':<28} {r['publish_max_s']:>9.4f}")
+    print(f"{'pipeline per patch':<28} {r['pipeline_s_per_patch']:>9.4f}")
+    print(
+        f"publish / host_copy = {r['ratio_publish_to_copy']:.2f}x (contract < 2x); "
+        f"{r['committed_steps']} steps committed, {r['skipped_steps']} skipped; patch ratio {r['patch_ratio']:.0f}x"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()
