@@ -74,6 +74,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             "anchor_interval": args.anchor_interval,
         },
     )
+    logging.getLogger("pulsesync.publisher").setLevel(logging.INFO)  # one line per published step
     if args.checkpoint is not None and args.step is None:
         raise ConfigError("--checkpoint needs --step N: the step number to publish it as")
     if args.watch is None and args.once:

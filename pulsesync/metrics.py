@@ -9,6 +9,8 @@ import logging
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from pulsesync.errors import ConfigError
+
 log = logging.getLogger("pulsesync.metrics")
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
@@ -38,5 +40,8 @@ def serve(port: int | None) -> None:
     """Serve /metrics on port (no-op when None)."""
     if port is None:
         return
-    start_http_server(port)
+    try:
+        start_http_server(port)
+    except OSError as e:
+        raise ConfigError(f"metrics_port {port}: cannot serve /metrics ({e.strerror or e})") from None
     log.info("serving Prometheus metrics on :%d/metrics", port)

@@ -16,7 +16,9 @@ from safetensors.torch import load_file, save_file
 from pulsesync import layout, signing
 from pulsesync.cli import main
 from pulsesync.config import PublisherConfig, WatchConfig
+from pulsesync.errors import ConfigError
 from pulsesync.manifest import AnchorManifest
+from pulsesync.publisher import Publisher
 from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
 from pulsesync.publisher.daemon import watch
 from pulsesync.reader import ChainReader
@@ -208,6 +210,8 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
     trainer.train()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'pulsesync_published_total{kind="patch"}' in text and "pulsesync_publish_stage_seconds_bucket" in text
+    with pytest.raises(ConfigError, match=f"metrics_port {port}: cannot serve"):
+        Publisher(config)  # the port is taken: a clear error at start, not a traceback
 
     reader = ChainReader(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
     ready = asyncio.run(reader.ready())

@@ -469,6 +469,8 @@ class AsyncPublisher:
             self._seen_key = info.key
             if (entry := layout.parse_ready_key(info.key)) and info.key not in self._own:
                 found.setdefault(entry.step, set()).add(entry.kind)
+        seen = self._seen_key or ""
+        self._own = {k for k in self._own if k > seen}  # only markers not listed yet matter
         return found
 
     async def _check_prefix(self, step: int) -> None:
