@@ -8,11 +8,12 @@ CPU as it would beside a GPU trainer) into a filesystem store, with the default 
   clone       {name: t.clone()}: the same copy into freshly allocated memory, for reference
   publish     Publisher.publish(step, state): returns once the snapshot is taken and queued;
               digest, diff, encode, upload and commit run on the publisher's own thread
-The contract: publish < 2 x host_copy. Each is the median over the steps' states. The pipeline's own seconds per step are reported too, and
-the newest committed step is rebuilt from the store and checked bitwise.
+The contract: publish < 2 x host_copy, each the median over the steps' states. The pipeline's
+own seconds per step are reported too, and the newest committed step is rebuilt from the store
+and checked bitwise.
 
-    python bench/publish.py                         # ~120M parameters
-    python bench/publish.py --quick --json out.json # ~55M parameters, < 60 s: the automation contract
+    python bench/publish.py                         # 106M parameters
+    python bench/publish.py --quick --json out.json # 31M parameters, < 60 s: the automation contract
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~55M parameters, 8 steps")
+    parser.add_argument("--quick", action="store_true", help="31M parameters, 8 steps")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--hidden", type=int, help="model width (default 768; quick 512)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 2)")

@@ -366,3 +366,19 @@ def test_snapshot_pool_recycles_only_released_buffers() -> None:
     other_shape = {"x": torch.zeros(3, dtype=torch.bfloat16)}
     pool.release(third)
     assert pool.snapshot(other_shape) is not third  # a different layout never reuses them
+
+
+async def test_resume_publishes_an_anchor_when_the_chain_cannot_be_rebuilt(
+    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FileStore(tmp_path / "store")
+    states = trainer_states(5)
+    await publish_steps(store, key, range(3))
+    await store.delete_many([layout.ready_key(0, "anchor")])  # e.g. pruned or lost: step 2 has no anchor
+    publisher = AsyncPublisher(config(resume=True), store=store, signing_key=key)
+    async with publisher:
+        await publisher.publish(3, states[3])
+    assert "cannot rebuild step 2" in caplog.text
+    assert [(r.step, r.kind, r.ok) for r in publisher.reports] == [(3, "anchor", True)]
+    rebuilt = await ChainReader(store, trusted(key)).reconstruct(3)  # type: ignore[arg-type]
+    assert_states_equal(rebuilt.state, states[3])

@@ -403,7 +403,12 @@ class AsyncPublisher:
         spool = Path(tempfile.mkdtemp(prefix=f"pulsesync-anchor-{step}-", dir=self.config.spool_dir))
         try:
             t0 = time.perf_counter()
-            names = await asyncio.to_thread(write_anchor_dir, state, spool, self.config.shard_size, dict(self._files))
+            try:
+                names = await asyncio.to_thread(
+                    write_anchor_dir, state, spool, self.config.shard_size, dict(self._files)
+                )
+            except OSError as e:  # e.g. the spool disk is full: this anchor fails, the publisher goes on
+                raise PulseSyncError(f"anchor {step}: cannot write its shards to {spool} ({e})") from e
             t1 = time.perf_counter()
             prefix = layout.anchor_dir(step, self.run_id)
             refs = []
@@ -497,7 +502,16 @@ class AsyncPublisher:
                 self._base = _Baseline(newest, cached.state, cached.digest)
                 source = f"cache {self.config.cache_dir}"
         if self._base is None:
-            rebuilt = await reader.reconstruct(newest)
+            try:
+                rebuilt = await reader.reconstruct(newest)
+            except PulseSyncError as e:  # a fresh anchor restarts a valid chain; nothing is lost
+                log.warning(
+                    "cannot rebuild step %d from %s (%s); the first publish will be an anchor",
+                    newest,
+                    self.store.url,
+                    e,
+                )
+                return
             self._base = _Baseline(rebuilt.step, rebuilt.state, rebuilt.digest)
             source = f"anchor {rebuilt.anchor_step} + {rebuilt.patches_applied} patches"
         self._anchor_step = max(anchors, default=-1)
