@@ -95,6 +95,45 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_subscribe(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pulsesync.config import SubscriberConfig
+    from pulsesync.subscriber import Subscriber
+
+    config = load_config(
+        SubscriberConfig,
+        args.config,
+        {
+            "store.url": args.store,
+            "store.endpoint_url": args.endpoint_url,
+            "cache_dir": args.cache_dir,
+            "out_dir": args.out_dir,
+            "step": args.step,
+        },
+    )
+    if args.trusted_key:
+        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
+    logging.getLogger("pulsesync.subscriber").setLevel(logging.INFO)  # one line per served step
+
+    async def run() -> None:
+        subscriber = Subscriber(config)
+        try:
+            if args.once:
+                await subscriber.start()
+                print((await subscriber.sync_with_retries(config.once_attempts)).to_json())
+                return
+            stop = asyncio.Event()  # SIGTERM/SIGINT: finish the sync in progress, exit 0
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            await subscriber.run(stop)
+        finally:
+            await subscriber.close()
+
+    asyncio.run(run())
+    return 0
+
+
 def _cmd_store(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -160,6 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--step", type=int, metavar="N", help="step number of --checkpoint")
     publish.add_argument("--once", action="store_true", help="with --watch: publish the checkpoints there now, exit")
     publish.set_defaults(run=_cmd_publish)
+
+    subscribe = commands.add_parser(
+        "subscribe", parents=[common], help="keep verified weights up to date beside an inference server"
+    )
+    subscribe.add_argument(
+        "--trusted-key", type=Path, action="append", metavar="PATH", help="a trusted publisher.pub (repeatable)"
+    )
+    subscribe.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the verified state here")
+    subscribe.add_argument("--out-dir", type=Path, metavar="DIR", help="write HF model directories here (+ current)")
+    subscribe.add_argument("--once", action="store_true", help="sync once, print one JSON line, exit")
+    subscribe.add_argument("--step", type=int, metavar="N", help="sync to step N instead of the newest")
+    subscribe.set_defaults(run=_cmd_subscribe)
 
     store = commands.add_parser("store", help="list, upload or download objects in the configured store")
     actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")

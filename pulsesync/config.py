@@ -6,7 +6,7 @@ Unknown keys and bad values fail at start with a ConfigError naming the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlparse
 
 import yaml
@@ -114,6 +114,46 @@ class PublisherConfig(Config):
     spool_dir: Path | None = Field(None, description="where anchor shards are written before upload (default: tmp)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics on this port")
     watch: WatchConfig = Field(default_factory=WatchConfig)
+
+
+class DirectorySinkConfig(BaseModel):
+    """An HF-layout directory per verified step under out_dir, with an atomically swapped `current` link."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["directory"] = "directory"
+    out_dir: Path = Field(description="where step-<N>/ directories and the `current` symlink live")
+    keep: int = Field(2, ge=1, description="step directories kept (the newest; older ones are removed)")
+    shard_size: int = Field(5 * 10**9, ge=1 << 16, description="largest safetensors shard in bytes")
+
+
+class CommandSinkConfig(BaseModel):
+    """Run a command after each update, with PULSESYNC_STEP and PULSESYNC_DIR in its environment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["command"] = "command"
+    argv: list[str] = Field(min_length=1, description="the command and its arguments (no shell)")
+    timeout_seconds: float = Field(600.0, gt=0, description="kill the command after this long")
+
+
+SinkConfig = Annotated[DirectorySinkConfig | CommandSinkConfig, Field(discriminator="type")]
+
+
+class SubscriberConfig(Config):
+    """`pulsesync subscribe` and the in-process Subscriber."""
+
+    trusted_keys: list[Path] = Field(default_factory=list, description="public keys whose manifests are accepted")
+    cache_dir: Path | None = Field(None, description="the verified state persists here; a restart resumes from it")
+    out_dir: Path | None = Field(None, description="shorthand for a `directory` sink writing here")
+    step: int | None = Field(None, ge=0, description="sync to this step instead of the newest")
+    poll_seconds: float = Field(2.0, gt=0, description="how often the daemon lists new ready markers")
+    retry_initial_seconds: float = Field(1.0, gt=0, description="first wait after a failed sync; doubles each time")
+    retry_max_seconds: float = Field(60.0, gt=0, description="longest wait between failed syncs")
+    unhealthy_after: int = Field(5, ge=1, description="consecutive failed syncs before /healthz reports unhealthy")
+    once_attempts: int = Field(3, ge=1, description="syncs --once tries before giving up")
+    sinks: list[SinkConfig] = Field(default_factory=list, description="where verified states go, in order")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics and /healthz on this port")
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)

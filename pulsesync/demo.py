@@ -6,7 +6,7 @@ protocol's layout, each ready marker written last with put-if-absent. By default
 fresh directory (no server); --store points it at S3, R2, MinIO or a shared filesystem. Two
 subscribers verify and apply the steps: one follows from the start (fast path), one joins late
 (slow path: anchor + chain). The demo succeeds only if both end bitwise equal to the trainer.
-The publisher is pulsesync's own; the subscribe daemon replaces the minimal subscriber here when it lands.
+Publisher and subscribers are pulsesync's own (pulsesync.publisher, pulsesync.subscriber).
 """
 
 from __future__ import annotations
@@ -15,20 +15,17 @@ import asyncio
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import signing
 from pulsesync.codec import CodecParams
-from pulsesync.config import PublisherConfig, StoreConfig
-from pulsesync.digest import StateDigest
+from pulsesync.config import PublisherConfig, StoreConfig, SubscriberConfig
 from pulsesync.errors import ConflictError
-from pulsesync.manifest import PatchManifest
 from pulsesync.publisher import AsyncPublisher
-from pulsesync.reader import ChainReader
 from pulsesync.store import FileStore, Store, open_store
+from pulsesync.subscriber import Subscriber
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 
@@ -37,42 +34,6 @@ def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         a[n].dtype == b[n].dtype and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
         for n in a
     )
-
-
-@dataclass
-class _Subscriber:
-    """Minimal verifying subscriber over ChainReader: fast, chain and slow paths."""
-
-    name: str
-    reader: ChainReader
-    state: dict[str, torch.Tensor] | None = None
-    digest: StateDigest | None = None
-    step: int = -1
-    paths: dict[str, int] = field(default_factory=dict)
-
-    async def sync(self) -> str:
-        """Move to the newest ready step; returns the path taken."""
-        ready = await self.reader.ready()
-        target = max(ready)
-        if target == self.step:
-            return "up-to-date"
-        path = "slow"
-        if self.state is not None and self.digest is not None:
-            work = {n: t.clone() for n, t in self.state.items()}  # staged: served state changes only on success
-            digest, at, links = self.digest, self.step, 0
-            for s in sorted(s for s, kinds in ready.items() if "patch" in kinds and at < s <= target):
-                link = await self.reader.manifest(s, "patch", newer_than=at)
-                if not isinstance(link, PatchManifest) or link.base_step != at:
-                    break
-                digest, at, links = await self.reader.apply(work, digest, link), s, links + 1
-            if at == target:
-                path = "fast" if links == 1 else "chain"
-                self.state, self.digest, self.step = work, digest, at
-        if path == "slow":
-            rebuilt = await self.reader.reconstruct(target)
-            self.state, self.digest, self.step = rebuilt.state, rebuilt.digest, rebuilt.step
-        self.paths[path] = self.paths.get(path, 0) + 1
-        return path
 
 
 def run_demo(
@@ -129,7 +90,16 @@ async def _demo(
         config = PublisherConfig(anchor_interval=anchor_interval, codec=params)
         publisher = AsyncPublisher(config, store=store, signing_key=key)
         await publisher.start()
-        early, late = (_Subscriber(name, ChainReader(store, trusted)) for name in "AB")
+        sub_config = SubscriberConfig(codec=params)
+        early, late = (Subscriber(sub_config, store=store, trusted=trusted) for _ in "AB")
+        paths: dict[int, dict[str, int]] = {id(early): {}, id(late): {}}
+
+        async def sync(subscriber: Subscriber) -> str:
+            path = (await subscriber.sync()).path
+            counts = paths[id(subscriber)]
+            counts[path] = counts.get(path, 0) + 1
+            return path
+
         out(f"{'step':>5} {'published':<15} {'wire bytes':>12} {'density':>8} {'ratio':>7}  {'A path':<10} B path")
         dense = patch_bytes = 0
         for step in range(steps + 1):
@@ -145,8 +115,8 @@ async def _demo(
             patch_bytes += patch.wire_bytes if patch else 0
             density = f"{patch.density:.2%}" if patch else "-"
             ratio = f"{patch.ratio:.0f}x" if patch else "-"
-            a_path = await early.sync()
-            b_path = await late.sync() if step >= late_join else "-"
+            a_path = await sync(early)
+            b_path = await sync(late) if step >= late_join else "-"
             out(f"{step:>5} {kinds:<15} {published[0].wire_bytes:>12,} {density:>8} {ratio:>7}  {a_path:<10} {b_path}")
         ok = all(s.state is not None and _bits_equal(s.state, trainer.state()) for s in (early, late))
         full = dense * steps
@@ -155,10 +125,10 @@ async def _demo(
             f"patches on the wire: {patch_bytes:,} bytes for {steps} steps; full checkpoints: {full:,} bytes "
             f"-> {full / max(patch_bytes, 1):.0f}x less"
         )
-        for s in (early, late):
-            paths = ", ".join(f"{k} x{v}" for k, v in sorted(s.paths.items()))
+        for name, s in zip("AB", (early, late), strict=True):
+            taken = ", ".join(f"{k} x{v}" for k, v in sorted(paths[id(s)].items()) if k != "up-to-date")
             out(
-                f"subscriber {s.name}: step {s.step}, paths: {paths}; {s.reader.manifests_verified} manifests "
+                f"subscriber {name}: step {s.step}, paths: {taken}; {s.reader.manifests_verified} manifests "
                 f"verified, {s.reader.bytes_downloaded:,} bytes downloaded, digest {s.digest.root if s.digest else '-'}"
             )
         verdict = "bitwise equal to the trainer" if ok else "NOT EQUAL to the trainer"

@@ -1,13 +1,16 @@
 """Prometheus metrics of the daemons, defined once per process (prometheus-client's model).
 
-`serve(port)` exposes them on http://0.0.0.0:port/metrics.
+`serve(port)` exposes them on http://0.0.0.0:port/metrics; `serve_with_health` adds /healthz.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from pulsesync.errors import ConfigError
 
@@ -32,8 +35,44 @@ LAST_STEP = Gauge("pulsesync_publish_last_step", "Newest committed step")
 LAST_DENSITY = Gauge("pulsesync_publish_density", "Changed fraction of the newest patch")
 LAST_RATIO = Gauge("pulsesync_publish_ratio", "Dense bytes / wire bytes of the newest patch")
 
+# --- subscriber ----------------------------------------------------------------------------------
+SYNC_SECONDS = Histogram("pulsesync_sync_seconds", "Seconds per successful sync, by path", ["path"], buckets=_SECONDS)
+SYNC_FAILURES = Counter("pulsesync_sync_failures_total", "Syncs that ended without a new verified state")
+FALLBACKS = Counter("pulsesync_fallbacks_total", "Falls back to the slow path, by reason (error class)", ["reason"])
+VERIFICATION_FAILURES = Counter(
+    "pulsesync_verification_failures_total", "Signature, SHA-256, digest or patch checks that failed", ["error"]
+)
+BYTES_DOWNLOADED = Counter("pulsesync_bytes_downloaded_total", "Bytes read from the store")
+SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being served")
+LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")
+LAG_SECONDS = Gauge("pulsesync_lag_seconds", "Seconds since the newest ready step was published, if not served yet")
+HEALTHY = Gauge("pulsesync_healthy", "1 while the subscriber is healthy")
+
 # --- store ---------------------------------------------------------------------------------------
 STORE_RETRIES = Counter("pulsesync_store_retries_total", "Store calls retried after a transient error", ["op"])
+
+
+async def serve_with_health(port: int, health: Callable[[], tuple[bool, dict[str, Any]]]) -> web.AppRunner:
+    """Serve /metrics and /healthz (200 or 503 with a JSON body) on port; returns the runner to clean up."""
+
+    async def metrics_page(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        ok, body = health()
+        return web.json_response(body, status=200 if ok else 503)
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics_page), web.get("/healthz", healthz)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "0.0.0.0", port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ConfigError(f"metrics_port {port}: cannot serve /metrics ({e.strerror or e})") from None
+    log.info("serving /metrics and /healthz on :%d", port)
+    return runner
 
 
 def serve(port: int | None) -> None:

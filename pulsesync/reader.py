@@ -21,10 +21,9 @@ from pulsesync import layout
 from pulsesync.codec import apply_patch
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import IntegrityError, NotFoundError
+from pulsesync.hf import INDEX_FILE, WEIGHT_SUFFIX
 from pulsesync.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
 from pulsesync.store import Store
-
-WEIGHT_SUFFIX = ".safetensors"
 
 
 @dataclass
@@ -36,6 +35,7 @@ class Reconstructed:
     digest: StateDigest
     anchor_step: int
     patches_applied: int
+    files: dict[str, bytes]  # the anchor's non-weight files (config.json, tokenizer files, ...)
 
 
 @dataclass
@@ -82,13 +82,18 @@ class ChainReader:
             raise IntegrityError(f"{self.store.url}{ref.key}: SHA-256 {sha} does not match its manifest ({ref.sha256})")
         return data
 
-    async def load_anchor(self, manifest: AnchorManifest) -> tuple[dict[str, torch.Tensor], StateDigest]:
-        """The anchor's state from its safetensors shards, checked against its state digest."""
+    async def load_anchor(
+        self, manifest: AnchorManifest
+    ) -> tuple[dict[str, torch.Tensor], StateDigest, dict[str, bytes]]:
+        """The anchor's state (shards fetched concurrently, digest checked) and its non-weight files."""
+        blobs = await asyncio.gather(*(self.fetch(ref) for ref in manifest.objects))
         state: dict[str, torch.Tensor] = {}
-        for ref in manifest.objects:
-            if not ref.key.endswith(WEIGHT_SUFFIX):
+        files: dict[str, bytes] = {}
+        for ref, data in zip(manifest.objects, blobs, strict=True):
+            name = ref.key.rsplit("/", 1)[-1]
+            if not name.endswith(WEIGHT_SUFFIX):
+                files[name] = data
                 continue
-            data = await self.fetch(ref)
             try:
                 shard = await asyncio.to_thread(load_safetensors, data)
             except SafetensorError as e:
@@ -98,15 +103,19 @@ class ChainReader:
             state.update(shard)
         digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, self.threads)
         check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
-        return state, digest
+        files.pop(INDEX_FILE, None)  # describes the shards, which a reader lays out anew
+        return state, digest, files
 
-    async def apply(self, state: dict[str, torch.Tensor], digest: StateDigest, manifest: PatchManifest) -> StateDigest:
-        """Apply a verified patch in place to a state whose digest is `digest`; returns the checked new digest."""
+    async def apply(
+        self, state: dict[str, torch.Tensor], digest: StateDigest, manifest: PatchManifest, data: bytes | None = None
+    ) -> StateDigest:
+        """Apply a verified patch (its bytes fetched here unless given) in place; returns the checked new digest."""
         if digest.root != manifest.base_digest:
             raise IntegrityError(
                 f"patch {manifest.step}: its base digest {manifest.base_digest} is not the held state's {digest.root}"
             )
-        data = await self.fetch(manifest.objects[0])
+        if data is None:
+            data = await self.fetch(manifest.objects[0])
         new = await asyncio.to_thread(apply_patch, state, data, base_digest=digest, threads=self.threads)
         assert new is not None  # verify=True
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
@@ -129,10 +138,31 @@ class ChainReader:
             at = link.base_step
         anchor = await self.manifest(at, "anchor")
         assert isinstance(anchor, AnchorManifest)
-        state, digest = await self.load_anchor(anchor)
-        for link in reversed(links):
-            digest = await self.apply(state, digest, link)
-        return Reconstructed(target, state, digest, at, len(links))
+        state, digest, files = await self.load_anchor(anchor)
+        digest = await self.apply_chain(state, digest, links[::-1])
+        return Reconstructed(target, state, digest, at, len(links), files)
+
+    async def apply_chain(
+        self, state: dict[str, torch.Tensor], digest: StateDigest, links: list[PatchManifest], window: int = 4
+    ) -> StateDigest:
+        """Apply patches in order, downloading up to `window` patches ahead of the one being applied."""
+        fetches: dict[int, asyncio.Task[bytes]] = {}
+
+        def prefetch(i: int) -> None:
+            if i < len(links) and i not in fetches:
+                fetches[i] = asyncio.create_task(self.fetch(links[i].objects[0]))
+
+        try:
+            for i in range(min(window, len(links))):
+                prefetch(i)
+            for i, link in enumerate(links):
+                prefetch(i + window)
+                digest = await self.apply(state, digest, link, await fetches.pop(i))
+        finally:
+            for task in fetches.values():
+                task.cancel()
+            await asyncio.gather(*fetches.values(), return_exceptions=True)
+        return digest
 
 
 def check_digest(actual: StateDigest, expected: StateDigest, what: str) -> None:

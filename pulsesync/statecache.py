@@ -1,17 +1,20 @@
 """A verified state kept on local disk, so a restart resumes without downloading an anchor.
 
-`{cache_dir}/state.safetensors` holds the tensors, `{cache_dir}/state.json` the step and state
-digest; each is written atomically (temp file, fsync, rename) and the JSON last, so a crash
-leaves either the previous pair or the new one. Loading re-hashes the tensors: a cache that does
+`{cache_dir}/state.safetensors` holds the tensors, `{cache_dir}/files/` the non-weight files that
+go with them (config.json, tokenizer files), `{cache_dir}/state.json` the step, state digest and
+the files' SHA-256; each is written atomically (temp file, fsync, rename) and the JSON last, so a
+crash leaves either the previous set or the new one. Loading re-hashes the tensors: a cache that does
 not match its own digest is discarded with a warning.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from pulsesync.tensors import State
 log = logging.getLogger("pulsesync.cache")
 STATE_FILE = "state.safetensors"
 META_FILE = "state.json"
+FILES_DIR = "files"
 
 
 @dataclass
@@ -36,6 +40,7 @@ class CachedState:
     step: int
     state: dict[str, torch.Tensor]
     digest: StateDigest
+    files: dict[str, bytes]
 
 
 def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
@@ -50,13 +55,18 @@ def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save(cache_dir: Path, step: int, state: State, digest: StateDigest) -> None:
-    """Persist a verified state and its digest atomically."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+def save(
+    cache_dir: Path, step: int, state: State, digest: StateDigest, files: Mapping[str, bytes] | None = None
+) -> None:
+    """Persist a verified state, its digest and its files atomically."""
+    (cache_dir / FILES_DIR).mkdir(parents=True, exist_ok=True)
     meta = cache_dir / META_FILE
-    meta.unlink(missing_ok=True)  # the pair is valid only once the JSON names the new tensors
+    meta.unlink(missing_ok=True)  # the set is valid only once the JSON names the new tensors
     _replace_atomically(cache_dir / STATE_FILE, lambda p: save_file(dict(state), str(p)))
-    record = json.dumps({"step": step, "digest": digest.model_dump(mode="json")})
+    for name, data in (files or {}).items():
+        _replace_atomically(cache_dir / FILES_DIR / name, functools.partial(Path.write_bytes, data=data))
+    shas = {name: hashlib.sha256(data).hexdigest() for name, data in (files or {}).items()}
+    record = json.dumps({"step": step, "digest": digest.model_dump(mode="json"), "files": shas})
     _replace_atomically(meta, lambda p: p.write_text(record))
 
 
@@ -68,6 +78,9 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
     try:
         record = json.loads(meta.read_text())
         step, expected = int(record["step"]), StateDigest.model_validate(record["digest"])
+        files = {name: (cache_dir / FILES_DIR / name).read_bytes() for name in record.get("files", {})}
+        if bad := [n for n, sha in record.get("files", {}).items() if hashlib.sha256(files[n]).hexdigest() != sha]:
+            raise ValueError(f"file {bad[0]} does not match its SHA-256")
         state = load_file(str(tensors))
     except (OSError, ValueError, KeyError, TypeError, ValidationError, SafetensorError) as e:
         log.warning("discarding the state cache in %s: unreadable (%s)", cache_dir, e)
@@ -76,4 +89,4 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
     if digest.root != expected.root:
         log.warning("discarding the state cache in %s: %s", cache_dir, digest.describe_mismatch(expected))
         return None
-    return CachedState(step, state, digest)
+    return CachedState(step, state, digest, files)

@@ -22,10 +22,9 @@ from safetensors.torch import load_file
 
 from pulsesync.config import WatchConfig
 from pulsesync.errors import IntegrityError, NotFoundError
+from pulsesync.hf import INDEX_FILE, SHARD_NAME
 
 CHECKPOINT_DIR = re.compile(r"^(?:checkpoint-)?(\d+)$")
-INDEX_FILE = "model.safetensors.index.json"
-SHARD_NAME = re.compile(r"-\d{5}-of-(\d{5})\.safetensors$")  # HF shard names: the index must follow
 _HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
 
 

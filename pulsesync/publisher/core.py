@@ -33,8 +33,8 @@ from pulsesync.codec import FORMAT_VERSION, encode_patch, read_header
 from pulsesync.config import PublisherConfig
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
+from pulsesync.hf import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes, utc_now
-from pulsesync.publisher.anchor import write_anchor_dir
 from pulsesync.publisher.snapshot import SnapshotPool, dense_bytes
 from pulsesync.reader import ChainReader
 from pulsesync.store import Store, open_store
@@ -405,7 +405,7 @@ class AsyncPublisher:
             t0 = time.perf_counter()
             try:
                 names = await asyncio.to_thread(
-                    write_anchor_dir, state, spool, self.config.shard_size, dict(self._files)
+                    write_model_dir, state, spool, self.config.shard_size, dict(self._files)
                 )
             except OSError as e:  # e.g. the spool disk is full: this anchor fails, the publisher goes on
                 raise PulseSyncError(f"anchor {step}: cannot write its shards to {spool} ({e})") from e
@@ -417,7 +417,7 @@ class AsyncPublisher:
                 refs.append(ObjectRef(key=done.key, size=done.size, sha256=done.sha256))
             t2 = time.perf_counter()
             report.wire_bytes = sum(r.size for r in refs)
-            shards = sum(1 for n in names if n.endswith(".safetensors"))
+            shards = sum(1 for n in names if n.endswith(WEIGHT_SUFFIX))
             manifest = AnchorManifest(
                 step=step,
                 objects=refs,

@@ -1,0 +1,62 @@
+"""The `directory` sink: `out_dir/step-<N>/` in HF layout and an atomically swapped `current` symlink.
+
+Each step is written into a hidden temporary directory, fsynced and renamed into place, then
+`current` is re-pointed with a rename (atomic on POSIX): an engine loading `out_dir/current`
+sees a complete step, old or new. Older step directories beyond `keep` are removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from pulsesync.config import DirectorySinkConfig
+from pulsesync.engines.base import Sink, Update
+from pulsesync.hf import write_model_dir
+from pulsesync.store.base import fsync_dir
+
+CURRENT = "current"
+
+
+def step_dir_name(step: int) -> str:
+    """Name of a step's directory (zero-padded: name order is step order)."""
+    return f"step-{step:012d}"
+
+
+class DirectorySink(Sink):
+    """Writes each verified state as a loadable HF model directory."""
+
+    name = "directory"
+
+    def __init__(self, config: DirectorySinkConfig) -> None:
+        self.config = config
+
+    async def deliver(self, update: Update) -> None:
+        """Write step-<N>/, swap `current` to it, prune old steps; sets update.directory."""
+        update.directory = await asyncio.to_thread(self._write, update)
+
+    def _write(self, update: Update) -> Path:
+        out = self.config.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        final = out / step_dir_name(update.step)
+        if not final.exists():
+            tmp = out / f".{final.name}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            names = write_model_dir(update.state, tmp, self.config.shard_size, update.files)
+            for name in names:
+                os.chmod(tmp / name, 0o644)  # engines in other containers often run as another user
+                with open(tmp / name, "rb") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        link = out / f".{CURRENT}.tmp-{os.getpid()}"
+        link.unlink(missing_ok=True)
+        link.symlink_to(final.name)  # relative: the directory can be mounted elsewhere
+        os.replace(link, out / CURRENT)
+        fsync_dir(out)
+        steps = sorted(p for p in out.iterdir() if p.name.startswith("step-") and p.is_dir())
+        for old in steps[: -self.config.keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return final

@@ -1,0 +1,35 @@
+"""HF model directories: sharded safetensors + index + config files, as transformers writes them.
+
+Written with huggingface_hub's save_torch_state_dict, the writer transformers' save_pretrained
+uses: shards `model-00001-of-0000N.safetensors` with `{"format": "pt"}` metadata and
+`model.safetensors.index.json` (one `model.safetensors` when the state fits in one shard), so a
+directory opens with `from_pretrained`, vLLM and SGLang as is. Publisher anchors and the
+subscriber's directory sink both use it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from huggingface_hub import save_torch_state_dict
+
+from pulsesync.tensors import State
+
+WEIGHTS_PATTERN = "model{suffix}.safetensors"
+WEIGHT_SUFFIX = ".safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARD_NAME = re.compile(r"-\d{5}-of-(\d{5})\.safetensors$")  # HF shard names: the index must follow
+
+
+def write_model_dir(state: State, out_dir: Path, shard_size: int, files: Mapping[str, bytes]) -> list[str]:
+    """Write the state's shards (and index) and the files into out_dir; returns their names, weights first."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(dict(state), out_dir, filename_pattern=WEIGHTS_PATTERN, max_shard_size=shard_size)
+    weights = sorted(p.name for p in out_dir.iterdir())
+    for name, data in sorted(files.items()):
+        if name in weights:
+            raise ValueError(f"file {name!r} would replace a weights file")
+        (out_dir / name).write_bytes(data)
+    return weights + sorted(files)

@@ -1,0 +1,288 @@
+"""The subscriber: sync to the newest (or a pinned) ready step, verify every link, deliver to sinks.
+
+Paths: up to date; fast (one patch) or chain (every patch from the held step, walking base_step
+links back from the target); slow (nearest anchor at or below the target, then patches; also
+cold start). Every manifest is checked against the trusted keys (and must be newer than the held
+step), every object against its SHA-256, the base digest before and the state digest after each
+patch. A failure on the fast or chain path falls back to the slow path and is counted by reason.
+New states are built off to the side (staged) and only a verified, completely applied state is
+handed to the sinks and becomes the served state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulsesync import layout, metrics, signing, statecache
+from pulsesync.config import DirectorySinkConfig, SubscriberConfig
+from pulsesync.digest import StateDigest
+from pulsesync.engines import Sink, Update, build_sinks
+from pulsesync.errors import (
+    ConfigError,
+    EngineError,
+    NotFoundError,
+    PulseSyncError,
+    ReplayError,
+    StoreError,
+)
+from pulsesync.manifest import PatchManifest
+from pulsesync.reader import ChainReader
+from pulsesync.store import Store, open_store
+
+log = logging.getLogger("pulsesync.subscriber")
+_NOT_VERIFICATION = (StoreError, NotFoundError, EngineError, ConfigError)
+
+
+@dataclass
+class SyncResult:
+    """Outcome of one sync, as `pulsesync subscribe --once` prints it."""
+
+    step: int
+    path: str  # up-to-date | fast | chain | slow
+    digest: str
+    seconds: float
+    bytes_downloaded: int
+
+    def to_json(self) -> str:
+        """One JSON line."""
+        return json.dumps(asdict(self) | {"seconds": round(self.seconds, 3)})
+
+
+@dataclass
+class _Staged:
+    step: int
+    state: dict[str, torch.Tensor]
+    digest: StateDigest
+    files: dict[str, bytes]
+    path: str
+
+
+@dataclass
+class SubscriberStatus:
+    """What /healthz reports."""
+
+    step: int = -1
+    digest: str | None = None
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    paths: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+class Subscriber:
+    """Holds the served, verified state and moves it forward; `sync()` is one attempt."""
+
+    def __init__(
+        self,
+        config: SubscriberConfig,
+        *,
+        store: Store | None = None,
+        trusted: Mapping[str, Ed25519PublicKey] | None = None,
+        sinks: list[Sink] | None = None,
+    ) -> None:
+        trusted = trusted if trusted is not None else signing.trusted_keys(config.trusted_keys)
+        if not trusted:
+            raise ConfigError("trusted_keys: a subscriber needs at least one trusted public key (--trusted-key)")
+        self.config = config
+        self.store = store or open_store(config.store)
+        self.reader = ChainReader(self.store, trusted, threads=config.codec.threads or 1)
+        sink_configs = list(config.sinks)
+        if config.out_dir is not None:
+            sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))
+        self.sinks = sinks if sinks is not None else build_sinks(sink_configs)
+        self.state: dict[str, torch.Tensor] | None = None
+        self.digest: StateDigest | None = None
+        self.step = -1
+        self.files: dict[str, bytes] = {}
+        self.status = SubscriberStatus()
+        self._undelivered: _Staged | None = None  # verified, but a sink refused it: deliver again
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Resume from cache_dir when it holds an intact verified state."""
+        if self.config.cache_dir is None or self.state is not None:
+            return
+        cached = await asyncio.to_thread(statecache.load, self.config.cache_dir, self.config.codec.threads)
+        if cached is None:
+            return
+        log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
+        await self._activate(_Staged(cached.step, cached.state, cached.digest, cached.files, "cache"), persist=False)
+
+    async def close(self) -> None:
+        """Release the store."""
+        await self.store.close()
+
+    async def __aenter__(self) -> Subscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- syncing ---------------------------------------------------------------------------------
+    async def sync(self, target: int | None = None) -> SyncResult:
+        """One sync to `target` (default: the configured step, else the newest ready step)."""
+        t0, downloaded = time.perf_counter(), self.reader.bytes_downloaded
+        ready = await self.reader.ready()
+        if not ready:
+            raise NotFoundError(f"{self.store.url}: no ready steps yet")
+        newest = max(ready)
+        target = target if target is not None else self.config.step if self.config.step is not None else newest
+        if target not in ready:
+            raise NotFoundError(f"{self.store.url}: step {target} is not ready (newest is {newest})")
+        if target < self.step:
+            raise ReplayError(f"step {target} is older than the held step {self.step}; subscribers never go back")
+        staged: _Staged | None = None
+        if self._undelivered is not None and self._undelivered.step == target:
+            staged = self._undelivered
+        elif target != self.step:
+            if self.state is not None:
+                try:
+                    staged = await self._incremental(ready, target)
+                except PulseSyncError as e:
+                    self._fallback(target, e)
+            if staged is None:
+                staged = await self._slow(target)
+        if staged is not None:
+            await self._activate(staged)
+        path = staged.path if staged is not None else "up-to-date"
+        seconds = time.perf_counter() - t0
+        got = self.reader.bytes_downloaded - downloaded
+        metrics.BYTES_DOWNLOADED.inc(got)
+        metrics.LAG_STEPS.set(newest - self.step)
+        if staged is not None:
+            metrics.SYNC_SECONDS.labels(path).observe(seconds)
+            self.status.paths[path] = self.status.paths.get(path, 0) + 1
+        assert self.digest is not None
+        return SyncResult(self.step, path, self.digest.root, seconds, got)
+
+    async def _incremental(self, ready: Mapping[int, set[layout.Kind]], target: int) -> _Staged | None:
+        """Fast or chain path: patches from the held step to target, or None when they do not connect."""
+        assert self.state is not None and self.digest is not None
+        links: list[PatchManifest] = []
+        at = target
+        while at > self.step:
+            if "patch" not in ready.get(at, ()):
+                return None  # a gap (pruned, or an anchor in place of a failed patch)
+            link = await self.reader.manifest(at, "patch", newer_than=self.step)
+            assert isinstance(link, PatchManifest)
+            links.append(link)
+            at = link.base_step
+        if at != self.step:
+            return None  # the target's chain does not pass through the held step
+        work = {name: t.clone() for name, t in self.state.items()}  # staged: the served state stays as is
+        digest = await self.reader.apply_chain(work, self.digest, links[::-1])
+        return _Staged(target, work, digest, self.files, "fast" if len(links) == 1 else "chain")
+
+    async def _slow(self, target: int) -> _Staged:
+        """Slow path: the nearest anchor on the target's chain, then its patches."""
+        rebuilt = await self.reader.reconstruct(target)
+        return _Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, "slow")
+
+    def _fallback(self, target: int, error: PulseSyncError) -> None:
+        reason = type(error).__name__
+        self.status.fallbacks[reason] = self.status.fallbacks.get(reason, 0) + 1
+        metrics.FALLBACKS.labels(reason).inc()
+        if not isinstance(error, _NOT_VERIFICATION):
+            metrics.VERIFICATION_FAILURES.labels(reason).inc()
+        log.warning("step %d: falling back to the slow path (%s: %s)", target, reason, error)
+
+    async def _activate(self, staged: _Staged, persist: bool = True) -> None:
+        """Hand a verified state to every sink, then serve it; a sink failure keeps the old state served."""
+        update = Update(staged.step, staged.state, staged.digest, staged.files)
+        try:
+            for sink in self.sinks:
+                await sink.deliver(update)
+        except PulseSyncError:
+            self._undelivered = staged
+            raise
+        self._undelivered = None
+        self.state, self.digest, self.step, self.files = staged.state, staged.digest, staged.step, staged.files
+        self.status.step, self.status.digest = staged.step, staged.digest.root
+        metrics.SUBSCRIBER_STEP.set(staged.step)
+        log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
+        if persist and self.config.cache_dir is not None:
+            await asyncio.to_thread(
+                statecache.save, self.config.cache_dir, staged.step, staged.state, staged.digest, staged.files
+            )
+
+    # --- in-process sink -------------------------------------------------------------------------
+    def apply_to(self, module: torch.nn.Module) -> None:
+        """Overwrite a module's parameters and buffers in place with the served state, bit-exact."""
+        if self.state is None:
+            raise EngineError("apply_to: the subscriber holds no verified state yet")
+        targets = dict(module.named_parameters()) | dict(module.named_buffers())
+        missing = sorted(set(targets) - set(self.state))
+        if missing:
+            raise EngineError(f"apply_to: step {self.step} has no tensor {missing[0]!r} the module needs")
+        with torch.no_grad():
+            for name, target in targets.items():
+                source = self.state[name]
+                if source.dtype != target.dtype or source.shape != target.shape:
+                    raise EngineError(
+                        f"apply_to: {name!r} is {source.dtype} {tuple(source.shape)} at step {self.step}, "
+                        f"the module's is {target.dtype} {tuple(target.shape)}"
+                    )
+                target.data.copy_(source)
+
+    # --- daemon ----------------------------------------------------------------------------------
+    async def sync_with_retries(self, attempts: int) -> SyncResult:
+        """Sync, retrying failures with exponential backoff up to `attempts` tries."""
+        delay = self.config.retry_initial_seconds
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.sync()
+            except PulseSyncError as e:
+                self._failed(e)
+                if attempt == attempts:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.retry_max_seconds)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failed(self, error: PulseSyncError) -> None:
+        self.status.consecutive_failures += 1
+        self.status.last_error = f"{type(error).__name__}: {error}"
+        metrics.SYNC_FAILURES.inc()
+        metrics.HEALTHY.set(int(self.healthy()[0]))
+        log.error("sync failed (%s); still serving step %d", self.status.last_error, self.step)
+
+    def healthy(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, details): serving a verified state and fewer than `unhealthy_after` failures in a row."""
+        ok = self.state is not None and self.status.consecutive_failures < self.config.unhealthy_after
+        return ok, asdict(self.status) | {"healthy": ok}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the store until stop is set: poll, sync, back off on failures; serve /metrics and /healthz."""
+        await self.start()
+        runner = None
+        if self.config.metrics_port is not None:
+            runner = await metrics.serve_with_health(self.config.metrics_port, self.healthy)
+        delay = self.config.retry_initial_seconds
+        try:
+            while not stop.is_set():
+                wait = self.config.poll_seconds
+                try:
+                    result = await self.sync()
+                    self.status.consecutive_failures, delay = 0, self.config.retry_initial_seconds
+                    metrics.HEALTHY.set(1)
+                    if result.path != "up-to-date":
+                        log.info("%s", result.to_json())
+                except PulseSyncError as e:
+                    self._failed(e)
+                    wait, delay = delay, min(delay * 2, self.config.retry_max_seconds)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait)
+        finally:
+            if runner is not None:
+                await runner.cleanup()
