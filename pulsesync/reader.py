@@ -20,7 +20,7 @@ from safetensors.torch import load as load_safetensors
 from pulsesync import layout
 from pulsesync.codec import apply_patch
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.errors import IntegrityError, NotFoundError
+from pulsesync.errors import IntegrityError, NotFoundError, ReplayError
 from pulsesync.hf import INDEX_FILE, WEIGHT_SUFFIX
 from pulsesync.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
 from pulsesync.store import Store
@@ -66,6 +66,8 @@ class ChainReader:
         data = await self.store.get(key)
         self.bytes_downloaded += len(data)
         manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
+        if manifest.step < step:  # an old, validly signed manifest put back under a newer key
+            raise ReplayError(f"{self.store.url}{key}: holds the manifest of the older step {manifest.step} (replay)")
         if manifest.step != step or manifest.kind != kind:
             raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
         self.manifests_verified += 1

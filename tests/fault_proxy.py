@@ -27,6 +27,7 @@ class FaultProxy:
     upstream: str
     schedule: list[str] = field(default_factory=list)  # "ok", "500", "503", "403", "404", "reset", "truncate"
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, action)
+    down: bool = False  # while set, every connection is reset: the store is unreachable
     endpoint: str = ""
 
     async def start(self) -> str:
@@ -46,7 +47,7 @@ class FaultProxy:
         await self._runner.cleanup()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        action = self.schedule.pop(0) if self.schedule else "ok"
+        action = "reset" if self.down else self.schedule.pop(0) if self.schedule else "ok"
         self.seen.append((request.method, request.path, action))
         body = await request.read()
         if action in _ERRORS:

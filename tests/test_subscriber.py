@@ -1,0 +1,294 @@
+"""The subscriber against chains from the real publisher, on the filesystem and moto (server mode).
+
+Fault tests: each ends with the served state unchanged until a verified state is available, then
+bitwise correct. Objects and manifests are damaged by rewriting them in the real store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsesync import layout, signing
+from pulsesync.codec import encode_patch
+from pulsesync.config import PublisherConfig, SubscriberConfig
+from pulsesync.digest import state_digest
+from pulsesync.errors import (
+    IntegrityError,
+    NotFoundError,
+    PulseSyncError,
+    ReplayError,
+    SignatureError,
+    UnknownKeyError,
+)
+from pulsesync.manifest import ObjectRef, PatchManifest
+from pulsesync.publisher import AsyncPublisher
+from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
+from pulsesync.subscriber import Subscriber
+from tests.fault_proxy import FaultProxy
+from tests.helpers import assert_states_equal
+from tests.servers import BUCKET
+from tests.test_publisher import trainer_states
+
+STATES = 12
+FAST_RETRY = SubscriberConfig(retry_initial_seconds=0.01, retry_max_seconds=0.05)
+
+
+@pytest.fixture(params=["fs", pytest.param("moto", marks=pytest.mark.integration)])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    if request.param == "fs":
+        yield FileStore(tmp_path / "store")
+        return
+    s3 = S3Store(BUCKET, f"sub-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("moto_endpoint"))
+    yield s3
+    await s3.close()
+
+
+@pytest.fixture
+def key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+@pytest.fixture
+async def publisher(store: Store, key: Ed25519PrivateKey) -> AsyncIterator[AsyncPublisher]:
+    """A publisher with steps 0..8 committed, anchors at 0 and 5."""
+    config = PublisherConfig(anchor_interval=5, shard_size=256 << 10, on_backpressure="block")
+    pub = AsyncPublisher(config, store=store, signing_key=key)
+    await pub.start()
+    await publish(pub, range(9))
+    yield pub
+    await pub.flush()
+
+
+async def publish(pub: AsyncPublisher, steps: range) -> None:
+    for step in steps:
+        await pub.publish(step, trainer_states(STATES)[step], {"config.json": b'{"model_type": "t"}'})
+    await pub.flush()
+
+
+def subscriber(store: Store, key: Ed25519PrivateKey, **overrides: Any) -> Subscriber:
+    config = FAST_RETRY.model_copy(update=overrides)
+    return Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]))
+
+
+def assert_serving(sub: Subscriber, step: int) -> None:
+    assert sub.step == step
+    assert sub.state is not None
+    assert_states_equal(sub.state, trainer_states(STATES)[step])
+
+
+async def test_fast_chain_slow_and_cold_start_paths_end_bitwise_equal(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    cold = subscriber(store, key)
+    assert (await cold.sync(3)).path == "slow"  # cold start: anchor 0 + patches 1..3
+    assert_serving(cold, 3)
+    assert (await cold.sync(4)).path == "fast"
+    assert (await cold.sync(7)).path == "chain"
+    assert_serving(cold, 7)
+    assert (await cold.sync()).path == "fast"  # newest: 8
+    assert (await cold.sync()).path == "up-to-date"
+    assert_serving(cold, 8)
+    late = subscriber(store, key)
+    result = await late.sync()
+    assert (result.path, result.step) == ("slow", 8)
+    anchor5 = await late.reader.manifest(5, "anchor")
+    assert result.bytes_downloaded > anchor5.sizes.wire_bytes  # anchor 5 + patches 6..8, not anchor 0
+    assert_serving(late, 8)
+    assert late.files == {"config.json": b'{"model_type": "t"}'}
+
+
+async def damage_object(store: Store, key: str, how: Callable[[bytes], bytes | None]) -> None:
+    data = how(await store.get(key))
+    if data is None:
+        await store.delete_many([key])
+    else:
+        await store.put(key, data)
+
+
+def flip_byte(data: bytes) -> bytes:
+    return data[:100] + bytes([data[100] ^ 0x20]) + data[101:]
+
+
+async def patch_object_key(store: Store, step: int) -> str:
+    return json.loads(await store.get(layout.ready_key(step, "patch")))["objects"][0]["key"]
+
+
+FaultSetup = Callable[[Store, Ed25519PrivateKey], Coroutine[Any, Any, None]]
+
+
+async def _flipped_patch(store: Store, key: Ed25519PrivateKey) -> None:
+    await damage_object(store, await patch_object_key(store, 7), flip_byte)
+
+
+async def _truncated_patch(store: Store, key: Ed25519PrivateKey) -> None:
+    await damage_object(store, await patch_object_key(store, 7), lambda d: d[: len(d) // 2])
+
+
+async def _deleted_patch(store: Store, key: Ed25519PrivateKey) -> None:
+    await damage_object(store, await patch_object_key(store, 7), lambda d: None)
+
+
+async def _unknown_key(store: Store, key: Ed25519PrivateKey) -> None:
+    manifest = PatchManifest.model_validate_json(await store.get(layout.ready_key(7, "patch")))
+    forged = manifest.signed(Ed25519PrivateKey.generate())
+    await store.put(layout.ready_key(7, "patch"), forged.to_bytes())
+
+
+async def _tampered_manifest(store: Store, key: Ed25519PrivateKey) -> None:
+    raw = json.loads(await store.get(layout.ready_key(7, "patch")))
+    raw["sizes"]["changed_elements"] += 1
+    await store.put(layout.ready_key(7, "patch"), json.dumps(raw).encode())
+
+
+async def _replayed_manifest(store: Store, key: Ed25519PrivateKey) -> None:
+    await store.put(layout.ready_key(7, "patch"), await store.get(layout.ready_key(6, "patch")))
+
+
+async def _wrong_base(store: Store, key: Ed25519PrivateKey) -> None:
+    """A correctly signed patch 7 computed against another state than step 6: its base digest differs."""
+    states = trainer_states(STATES)
+    wrong_base, new = states[3], states[7]
+    base_digest, new_digest = state_digest(wrong_base), state_digest(new)
+    patch = encode_patch(wrong_base, new, base_digest=base_digest, new_digest=new_digest)
+    object_key = layout.patch_key(7, "forged")
+    await store.put(object_key, patch)
+    manifest = PatchManifest.model_validate_json(await store.get(layout.ready_key(7, "patch")))
+    manifest = manifest.model_copy(
+        update={"base_digest": base_digest.root, "objects": [ObjectRef.for_bytes(object_key, patch)]}
+    )
+    await store.put(layout.ready_key(7, "patch"), manifest.signed(key).to_bytes())
+
+
+FAULTS: dict[str, tuple[FaultSetup, type[PulseSyncError]]] = {
+    "flipped-byte-in-patch": (_flipped_patch, IntegrityError),
+    "truncated-patch": (_truncated_patch, IntegrityError),
+    "deleted-patch-404": (_deleted_patch, NotFoundError),
+    "manifest-by-unknown-key": (_unknown_key, UnknownKeyError),
+    "tampered-manifest": (_tampered_manifest, SignatureError),
+    "replayed-older-manifest": (_replayed_manifest, ReplayError),
+    "patch-with-wrong-base-digest": (_wrong_base, IntegrityError),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+async def test_a_bad_link_is_never_served_and_the_next_anchor_recovers(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, fault: str, tmp_path: Path
+) -> None:
+    setup, error = FAULTS[fault]
+    sub = subscriber(store, key, out_dir=tmp_path / "out")
+    await sub.sync(6)
+    await setup(store, key)
+    with pytest.raises(error):
+        await sub.sync_with_retries(2)  # fast path fails, slow path (anchor 5 + 6, 7, 8) hits it too
+    assert_serving(sub, 6)  # unchanged: nothing unverified is ever served
+    assert (tmp_path / "out" / "current").resolve().name == "step-000000000006"
+    assert sum(sub.status.fallbacks.values()) == 2 and sub.status.consecutive_failures == 2
+    await publish(publisher, range(9, 11))  # step 10 comes with an anchor: a verified state again
+    result = await sub.sync()
+    assert (result.path, result.step) == ("slow", 10)
+    assert_serving(sub, 10)
+    assert (tmp_path / "out" / "current").resolve().name == "step-000000000010"
+
+
+async def test_a_corrupted_anchor_shard_is_never_served(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    anchor = json.loads(await store.get(layout.ready_key(5, "anchor")))
+    shard = next(o["key"] for o in anchor["objects"] if o["key"].endswith(".safetensors"))
+    await damage_object(store, shard, flip_byte)
+    sub = subscriber(store, key)
+    with pytest.raises(IntegrityError, match="SHA-256"):
+        await sub.sync(7)
+    assert sub.state is None and not sub.healthy()[0]
+    await publish(publisher, range(9, 11))
+    assert (await sub.sync()).step == 10
+    assert_serving(sub, 10)
+
+
+async def test_restart_resumes_from_the_persisted_state_without_an_anchor(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, tmp_path: Path
+) -> None:
+    first = subscriber(store, key, cache_dir=tmp_path / "cache")
+    await first.sync(7)
+    restarted = subscriber(store, key, cache_dir=tmp_path / "cache")
+    await restarted.start()
+    assert_serving(restarted, 7)
+    result = await restarted.sync()
+    assert (result.path, result.step) == ("fast", 8)
+    patch8 = await restarted.reader.manifest(8, "patch")
+    assert result.bytes_downloaded < 4 * patch8.sizes.wire_bytes  # manifests + one patch, no anchor
+    assert_serving(restarted, 8)
+    # A damaged cache is discarded: the next start takes the slow path.
+    tensors = tmp_path / "cache" / "state.safetensors"
+    tensors.write_bytes(flip_byte(tensors.read_bytes()))
+    fresh = subscriber(store, key, cache_dir=tmp_path / "cache")
+    await fresh.start()
+    assert fresh.state is None
+    assert (await fresh.sync()).path == "slow"
+
+
+async def test_store_unreachable_for_30s_then_back(moto_endpoint: str, key: Ed25519PrivateKey, tmp_path: Path) -> None:
+    proxy = FaultProxy(moto_endpoint)
+    await proxy.start()
+    prefix = f"outage-{uuid.uuid4().hex[:8]}"
+    direct = S3Store(BUCKET, prefix, endpoint_url=moto_endpoint)
+    through_proxy = S3Store(
+        BUCKET, prefix, endpoint_url=proxy.endpoint, retry=RetryPolicy(attempts=3, initial_wait=0.05, max_wait=0.1)
+    )
+    config = PublisherConfig(anchor_interval=5, on_backpressure="block")
+    pub = AsyncPublisher(config, store=direct, signing_key=key)
+    await pub.start()
+    await publish(pub, range(4))
+    sub = subscriber(through_proxy, key, poll_seconds=0.1, unhealthy_after=3, retry_max_seconds=0.5)
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(sub.run(stop))
+    try:
+        while sub.step != 3:
+            await asyncio.sleep(0.05)
+        proxy.down = True
+        await publish(pub, range(4, 7))
+        outage_end = time.monotonic() + 30
+        while time.monotonic() < outage_end:
+            assert_serving(sub, 3)  # the last good state, all along
+            await asyncio.sleep(1)
+        assert not sub.healthy()[0] and sub.status.consecutive_failures >= 3
+        proxy.down = False
+        deadline = time.monotonic() + 30
+        while sub.step != 6:
+            assert time.monotonic() < deadline, sub.status
+            await asyncio.sleep(0.1)
+        assert_serving(sub, 6)
+        assert sub.healthy()[0]
+    finally:
+        stop.set()
+        await daemon
+        await pub.close()
+        await through_proxy.close()
+        await proxy.stop()
+
+
+async def test_apply_to_overwrites_a_module_bit_exactly(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    sub = subscriber(store, key)
+    await sub.sync()
+    module = torch.nn.Module()
+    for name, t in trainer_states(STATES)[0].items():
+        module.register_buffer(name.replace(".", "_"), torch.zeros_like(t))
+    with pytest.raises(PulseSyncError, match="has no tensor"):
+        sub.apply_to(module)
+    module = torch.nn.ParameterDict({n.replace(".", "_"): torch.zeros_like(t) for n, t in sub.state.items()})  # type: ignore[union-attr]
+    renamed = {n.replace(".", "_"): t for n, t in sub.state.items()}  # type: ignore[union-attr]
+    sub.state = renamed
+    sub.apply_to(module)
+    assert_states_equal({n: p.data for n, p in module.items()}, renamed)
