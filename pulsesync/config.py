@@ -137,7 +137,31 @@ class CommandSinkConfig(BaseModel):
     timeout_seconds: float = Field(600.0, gt=0, description="kill the command after this long")
 
 
-SinkConfig = Annotated[DirectorySinkConfig | CommandSinkConfig, Field(discriminator="type")]
+class SGLangSinkConfig(BaseModel):
+    """Tell an SGLang server to load each step's directory: pause, update_weights_from_disk, continue."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["sglang"] = "sglang"
+    url: str = Field(description="the SGLang server, e.g. http://127.0.0.1:30000")
+    pause_mode: Literal["retract", "in_place", "abort"] = Field("retract", description="how generation pauses")
+    timeout_seconds: float = Field(600.0, gt=0, description="per request")
+
+
+class VLLMSinkConfig(BaseModel):
+    """Apply each update to a vLLM server through pulsesync's worker extension (collective_rpc)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["vllm"] = "vllm"
+    url: str = Field(description="the vLLM server, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1)")
+    update_dir: Path = Field(description="where update files are written; the vLLM workers must read this path")
+    timeout_seconds: float = Field(600.0, gt=0, description="per request")
+
+
+SinkConfig = Annotated[
+    DirectorySinkConfig | CommandSinkConfig | SGLangSinkConfig | VLLMSinkConfig, Field(discriminator="type")
+]
 
 
 class SubscriberConfig(Config):

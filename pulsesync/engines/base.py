@@ -19,6 +19,8 @@ class Update:
     state: dict[str, torch.Tensor]
     digest: StateDigest
     files: dict[str, bytes]
+    previous: dict[str, torch.Tensor] | None = None  # the state served until now (None at the first)
+    previous_digest: StateDigest | None = None
     directory: Path | None = None
 
 

@@ -199,7 +199,7 @@ class Subscriber:
 
     async def _activate(self, staged: _Staged, persist: bool = True) -> None:
         """Hand a verified state to every sink, then serve it; a sink failure keeps the old state served."""
-        update = Update(staged.step, staged.state, staged.digest, staged.files)
+        update = Update(staged.step, staged.state, staged.digest, staged.files, self.state, self.digest)
         try:
             for sink in self.sinks:
                 await sink.deliver(update)

@@ -1,0 +1,43 @@
+"""The `sglang` sink: load each verified step's directory into an SGLang server.
+
+After the directory sink wrote the step: `POST /pause_generation {"mode": "retract"}`, then
+`POST /update_weights_from_disk {"model_path": DIR, "weight_version": "step-N", "flush_cache": true}`,
+then `POST /continue_generation` (also when the update failed: SGLang keeps its old weights and
+must not stay paused). The update's reply must say `"success": true`, else EngineError.
+See SGLang's "SGLang for RL Systems" guide for these endpoints.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from pulsesync.config import SGLangSinkConfig
+from pulsesync.engines.base import Sink, Update
+from pulsesync.engines.http import post_json
+from pulsesync.errors import EngineError
+
+
+class SGLangSink(Sink):
+    """Hot-reloads an SGLang server from the step directory."""
+
+    name = "sglang"
+
+    def __init__(self, config: SGLangSinkConfig) -> None:
+        self.config = config
+        self.url = config.url.rstrip("/")
+
+    async def deliver(self, update: Update) -> None:
+        """Pause, update from disk, continue; EngineError unless SGLang reports success."""
+        if update.directory is None:
+            raise EngineError("sglang sink: needs a directory sink (out_dir) to write the step first")
+        timeout = self.config.timeout_seconds
+        body = {"model_path": str(update.directory), "weight_version": f"step-{update.step}", "flush_cache": True}
+        async with aiohttp.ClientSession() as session:
+            await post_json(session, f"{self.url}/pause_generation", {"mode": self.config.pause_mode}, timeout)
+            try:
+                reply = await post_json(session, f"{self.url}/update_weights_from_disk", body, timeout)
+            finally:
+                await post_json(session, f"{self.url}/continue_generation", {}, timeout)
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            message = reply.get("message") if isinstance(reply, dict) else reply
+            raise EngineError(f"sglang sink: {self.url} refused step {update.step}: {message}")
