@@ -17,11 +17,11 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("keygen", "demo", "publish", "store"):
+    for command in ("keygen", "demo", "publish", "subscribe", "store"):
         assert command in out
 
 
-@pytest.mark.parametrize("command", ["keygen", "demo", "publish", "store ls", "store put", "store get"])
+@pytest.mark.parametrize("command", ["keygen", "demo", "publish", "subscribe", "store ls", "store put", "store get"])
 def test_every_command_takes_the_common_flags(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main([*command.split(), "--help"])

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pulsesync.config import Config, PublisherConfig, load_config
+from pulsesync.config import Config, PublisherConfig, SubscriberConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-MODELS: dict[str, type[BaseModel]] = {"publisher.yaml": PublisherConfig}
+MODELS: dict[str, type[BaseModel]] = {"publisher.yaml": PublisherConfig, "subscriber.yaml": SubscriberConfig}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -19,13 +19,22 @@ def test_config_file_validates(path: Path) -> None:
     assert isinstance(config, Config) and config.store.url
 
 
-def test_publisher_example_documents_every_option() -> None:
-    text = (Path(__file__).parent.parent / "configs" / "publisher.yaml").read_text()
-    for name in PublisherConfig.model_fields:
-        assert f"\n{name}:" in text, name
-    for name in PublisherConfig.model_fields["watch"].annotation.model_fields:  # type: ignore[union-attr]
-        assert f"\n  {name}:" in text, name
+@pytest.mark.parametrize("name", ["publisher.yaml", "subscriber.yaml"])
+def test_daemon_examples_document_every_option(name: str) -> None:
+    text = (Path(__file__).parent.parent / "configs" / name).read_text()
+    model = MODELS[name]
+    for field in model.model_fields:
+        assert f"\n{field}:" in text, field
+    if model is PublisherConfig:
+        for field in PublisherConfig.model_fields["watch"].annotation.model_fields:  # type: ignore[union-attr]
+            assert f"\n  {field}:" in text, field
+
+
+def test_every_sink_type_is_documented() -> None:
+    text = (Path(__file__).parent.parent / "configs" / "subscriber.yaml").read_text()
+    for sink in ("directory", "sglang", "vllm", "command"):
+        assert f"type: {sink}" in text, sink
 
 
 def test_there_are_configs() -> None:
-    assert {"pulsesync.yaml", "publisher.yaml"} <= {p.name for p in CONFIGS}
+    assert {"pulsesync.yaml", "publisher.yaml", "subscriber.yaml"} <= {p.name for p in CONFIGS}
