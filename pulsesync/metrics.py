@@ -45,7 +45,7 @@ VERIFICATION_FAILURES = Counter(
 BYTES_DOWNLOADED = Counter("pulsesync_bytes_downloaded_total", "Bytes read from the store")
 SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being served")
 LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")
-LAG_SECONDS = Gauge("pulsesync_lag_seconds", "Seconds since the newest ready step was published, if not served yet")
+LAG_SECONDS = Gauge("pulsesync_lag_seconds", "Seconds from publishing the served step to serving it")
 HEALTHY = Gauge("pulsesync_healthy", "1 while the subscriber is healthy")
 
 # --- store ---------------------------------------------------------------------------------------

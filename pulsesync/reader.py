@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 
 from pulsesync import layout
 from pulsesync.codec import apply_patch
@@ -47,6 +49,7 @@ class ChainReader:
     threads: int = 1
     bytes_downloaded: int = 0
     manifests_verified: int = 0
+    published_at: dict[int, str] = field(default_factory=dict)  # created_at of each manifest read
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
 
@@ -71,6 +74,7 @@ class ChainReader:
         if manifest.step != step or manifest.kind != kind:
             raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
         self.manifests_verified += 1
+        self.published_at[step] = manifest.created_at
         return manifest
 
     async def fetch(self, ref: ObjectRef) -> bytes:
@@ -87,22 +91,33 @@ class ChainReader:
     async def load_anchor(
         self, manifest: AnchorManifest
     ) -> tuple[dict[str, torch.Tensor], StateDigest, dict[str, bytes]]:
-        """The anchor's state (shards fetched concurrently, digest checked) and its non-weight files."""
-        blobs = await asyncio.gather(*(self.fetch(ref) for ref in manifest.objects))
+        """The anchor's state (digest checked) and its non-weight files.
+
+        Each shard streams to a temporary file with parallel ranged GETs where the store has them,
+        its SHA-256 checked on the way, and is read back and deleted before the next: memory and
+        disk stay bounded by the state plus one shard.
+        """
         state: dict[str, torch.Tensor] = {}
         files: dict[str, bytes] = {}
-        for ref, data in zip(manifest.objects, blobs, strict=True):
-            name = ref.key.rsplit("/", 1)[-1]
-            if not name.endswith(WEIGHT_SUFFIX):
-                files[name] = data
-                continue
-            try:
-                shard = await asyncio.to_thread(load_safetensors, data)
-            except SafetensorError as e:
-                raise IntegrityError(f"{self.store.url}{ref.key}: not a valid safetensors file ({e})") from None
-            if duplicate := state.keys() & shard.keys():
-                raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
-            state.update(shard)
+        with tempfile.TemporaryDirectory(prefix=f"pulsesync-anchor-{manifest.step}-") as spool:
+            for ref in manifest.objects:
+                name = ref.key.rsplit("/", 1)[-1]
+                if not name.endswith(WEIGHT_SUFFIX):
+                    files[name] = await self.fetch(ref)
+                    continue
+                path = Path(spool) / name
+                done = await self.store.download_file(ref.key, path, expected_sha256=ref.sha256)
+                self.bytes_downloaded += done.size
+                if done.size != ref.size:
+                    raise IntegrityError(f"{self.store.url}{ref.key}: {done.size} bytes, its manifest lists {ref.size}")
+                try:
+                    shard = await asyncio.to_thread(load_file, path)
+                except SafetensorError as e:
+                    raise IntegrityError(f"{self.store.url}{ref.key}: not a valid safetensors file ({e})") from None
+                path.unlink()
+                if duplicate := state.keys() & shard.keys():
+                    raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
+                state.update(shard)
         digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, self.threads)
         check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
         files.pop(INDEX_FILE, None)  # describes the shards, which a reader lays out anew

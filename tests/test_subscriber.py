@@ -292,3 +292,38 @@ async def test_apply_to_overwrites_a_module_bit_exactly(
     sub.state = renamed
     sub.apply_to(module)
     assert_states_equal({n: p.data for n, p in module.items()}, renamed)
+
+
+async def test_daemon_serves_metrics_and_healthz(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    import aiohttp
+
+    from tests.servers import free_port
+
+    port = free_port()
+    sub = subscriber(store, key, poll_seconds=0.05, metrics_port=port)
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(sub.run(stop))
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 30
+            while sub.step != 8:
+                assert time.monotonic() < deadline and not daemon.done()
+                await asyncio.sleep(0.05)
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as r:
+                health = await r.json()
+                assert r.status == 200 and health["healthy"] and health["step"] == 8
+                assert health["paths"] == {"slow": 1}
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            assert 'pulsesync_sync_seconds_count{path="slow"}' in text and "pulsesync_lag_seconds" in text
+            await publish(publisher, range(9, 10))
+            while sub.step != 9:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as r:
+                assert (await r.json())["paths"] == {"slow": 1, "fast": 1}
+    finally:
+        stop.set()
+        await daemon

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
 import time
@@ -160,6 +161,9 @@ class Subscriber:
         got = self.reader.bytes_downloaded - downloaded
         metrics.BYTES_DOWNLOADED.inc(got)
         metrics.LAG_STEPS.set(newest - self.step)
+        if staged is not None and (published := self.reader.published_at.get(self.step)):
+            age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(published.replace("Z", "+00:00"))
+            metrics.LAG_SECONDS.set(max(age.total_seconds(), 0.0))
         if staged is not None:
             metrics.SYNC_SECONDS.labels(path).observe(seconds)
             self.status.paths[path] = self.status.paths.get(path, 0) + 1
