@@ -43,6 +43,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pulsesync.demo import run_demo
 
     config = _config(args)
+    if not args.verbose:  # the table says where subscribers fell back; -v adds the log lines
+        logging.getLogger("pulsesync.subscriber").setLevel(logging.ERROR)
     ok = run_demo(
         steps=args.steps,
         anchor_interval=args.anchor_interval,
@@ -62,7 +64,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     from pulsesync.config import PublisherConfig
     from pulsesync.errors import ConfigError
     from pulsesync.publisher import StepReport
-    from pulsesync.publisher.daemon import publish_checkpoint, watch
+    from pulsesync.publisher.daemon import publish_checkpoint, publish_synthetic, watch
 
     config = load_config(
         PublisherConfig,
@@ -83,13 +85,15 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         reports = asyncio.run(publish_checkpoint(config, args.checkpoint, args.step))
     else:
 
-        async def watch_until_signal() -> list[StepReport]:
+        async def until_signal() -> list[StepReport]:
             stop = asyncio.Event()  # SIGTERM/SIGINT: publish what is complete, flush, exit 0
             for sig in (signal.SIGTERM, signal.SIGINT):
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            if args.synthetic:
+                return await publish_synthetic(config, args.interval, args.max_steps, stop)
             return await watch(config, args.watch, once=args.once, stop=stop)
 
-        reports = asyncio.run(watch_until_signal())
+        reports = asyncio.run(until_signal())
     for report in reports:
         print(report.log_line())
     return 0
@@ -110,6 +114,7 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
             "cache_dir": args.cache_dir,
             "out_dir": args.out_dir,
             "step": args.step,
+            "metrics_port": args.metrics_port,
         },
     )
     if args.trusted_key:
@@ -129,6 +134,108 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
             await subscriber.run(stop)
         finally:
             await subscriber.close()
+
+    asyncio.run(run())
+    return 0
+
+
+def _reader_config(args: argparse.Namespace) -> Any:
+    """A SubscriberConfig (for its trusted keys) from --config, the common flags and --trusted-key."""
+    from pulsesync.config import SubscriberConfig
+
+    config = load_config(
+        SubscriberConfig, args.config, {"store.url": args.store, "store.endpoint_url": args.endpoint_url}
+    )
+    if args.trusted_key:
+        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
+    return config
+
+
+def _cmd_retain(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pulsesync.config import RetentionConfig
+    from pulsesync.retention import RetentionWorker
+    from pulsesync.store import open_store
+
+    config = load_config(
+        RetentionConfig,
+        args.config,
+        {
+            "store.url": args.store,
+            "store.endpoint_url": args.endpoint_url,
+            "keep_patches": args.keep_patches,
+            "keep_anchors": args.keep_anchors,
+            "grace_seconds": args.grace_seconds,
+            "dry_run": True if args.dry_run else None,
+        },
+    )
+    logging.getLogger("pulsesync.retention").setLevel(logging.INFO)  # one summary line per run
+
+    async def run() -> None:
+        async with open_store(config.store) as store:
+            worker = RetentionWorker(store, config)
+            if args.once or config.dry_run:
+                plan = await worker.run_once()
+                if config.dry_run:
+                    print("\n".join(plan.lines()) or "nothing to delete")
+                print(("would have: " if config.dry_run else "") + plan.summary())
+                return
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            await worker.run(stop)
+
+    asyncio.run(run())
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from pulsesync import signing
+    from pulsesync.inspection import chain_rows, format_table, rows_as_json
+    from pulsesync.store import open_store
+
+    config = _reader_config(args)
+    trusted = signing.trusted_keys(config.trusted_keys) if config.trusted_keys else None
+
+    async def run() -> None:
+        async with open_store(config.store) as store:
+            rows = await chain_rows(store, trusted)
+        print(json.dumps(rows_as_json(rows)) if args.json else format_table(rows))
+
+    asyncio.run(run())
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from pulsesync import signing
+    from pulsesync.errors import ConfigError
+    from pulsesync.reader import ChainReader
+    from pulsesync.store import open_store
+
+    config = _reader_config(args)
+    if not config.trusted_keys:
+        raise ConfigError("trusted_keys: verify needs at least one trusted public key (--trusted-key)")
+
+    async def run() -> None:
+        async with open_store(config.store) as store:
+            reader = ChainReader(store, signing.trusted_keys(config.trusted_keys), threads=config.codec.threads or 1)
+            rebuilt = await reader.reconstruct(args.step)
+            report = {
+                "step": rebuilt.step,
+                "anchor_step": rebuilt.anchor_step,
+                "patches_applied": rebuilt.patches_applied,
+                "digest": rebuilt.digest.root,
+                "manifests_verified": reader.manifests_verified,
+                "bytes_downloaded": reader.bytes_downloaded,
+            }
+            print(json.dumps(report))
 
     asyncio.run(run())
     return 0
@@ -196,21 +303,49 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--checkpoint", type=Path, metavar="PATH", help="publish one checkpoint (safetensors directory or file)"
     )
+    source.add_argument(
+        "--synthetic", action="store_true", help="publish the demo's synthetic trainer (docker-compose, smoke tests)"
+    )
     publish.add_argument("--step", type=int, metavar="N", help="step number of --checkpoint")
+    publish.add_argument("--interval", type=float, default=5.0, help="--synthetic: seconds between steps (default 5)")
+    publish.add_argument("--max-steps", type=int, metavar="N", help="--synthetic: stop after N steps (default: never)")
     publish.add_argument("--once", action="store_true", help="with --watch: publish the checkpoints there now, exit")
     publish.set_defaults(run=_cmd_publish)
 
-    subscribe = commands.add_parser(
-        "subscribe", parents=[common], help="keep verified weights up to date beside an inference server"
-    )
-    subscribe.add_argument(
+    trusted_flag = argparse.ArgumentParser(add_help=False)
+    trusted_flag.add_argument(
         "--trusted-key", type=Path, action="append", metavar="PATH", help="a trusted publisher.pub (repeatable)"
+    )
+    subscribe = commands.add_parser(
+        "subscribe", parents=[common, trusted_flag], help="keep verified weights up to date beside an inference server"
     )
     subscribe.add_argument("--cache-dir", type=Path, metavar="DIR", help="persist the verified state here")
     subscribe.add_argument("--out-dir", type=Path, metavar="DIR", help="write HF model directories here (+ current)")
     subscribe.add_argument("--once", action="store_true", help="sync once, print one JSON line, exit")
     subscribe.add_argument("--step", type=int, metavar="N", help="sync to step N instead of the newest")
+    subscribe.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /metrics and /healthz on PORT")
     subscribe.set_defaults(run=_cmd_subscribe)
+
+    retain = commands.add_parser(
+        "retain", parents=[common], help="prune old patches and anchors by policy, never breaking a kept chain"
+    )
+    retain.add_argument("--keep-patches", type=int, metavar="N", help="newest patches kept (default 100)")
+    retain.add_argument("--keep-anchors", type=int, metavar="M", help="newest anchors kept (default 10)")
+    retain.add_argument("--grace-seconds", type=float, metavar="S", help="payloads go this long after their marker")
+    retain.add_argument("--once", action="store_true", help="run once and exit (default: every interval_seconds)")
+    retain.add_argument("--dry-run", action="store_true", help="print exactly what would be deleted, delete nothing")
+    retain.set_defaults(run=_cmd_retain)
+
+    inspect = commands.add_parser(
+        "inspect", parents=[common, trusted_flag], help="show the chain in a store (verified with --trusted-key)"
+    )
+    inspect.add_argument("--json", action="store_true", help="one JSON array instead of the table")
+    inspect.set_defaults(run=_cmd_inspect)
+    verify = commands.add_parser(
+        "verify", parents=[common, trusted_flag], help="rebuild a step from the store and check every digest"
+    )
+    verify.add_argument("--step", type=int, metavar="N", help="the step to rebuild (default: the newest)")
+    verify.set_defaults(run=_cmd_verify)
 
     store = commands.add_parser("store", help="list, upload or download objects in the configured store")
     actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")

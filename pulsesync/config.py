@@ -91,6 +91,29 @@ class WatchConfig(BaseModel):
     delete_consumed: bool = Field(False, description="delete each checkpoint directory once it is read")
 
 
+class RetentionPolicy(BaseModel):
+    """What the retention worker keeps (PULSE's defaults: the newest 100 patches and 10 anchors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep_patches: int = Field(
+        100, ge=0, description="newest patches kept, with every patch and anchor on their chains back to an anchor"
+    )
+    keep_anchors: int = Field(10, ge=0, description="newest anchors kept")
+    grace_seconds: float = Field(
+        600.0,
+        ge=0,
+        description="payloads are deleted this long after their ready marker; longer than the slowest reader's "
+        "download, and unreferenced payloads must be this old (a publish may still be uploading them)",
+    )
+    interval_seconds: float = Field(3600.0, gt=0, description="time between runs of the retention daemon")
+    dry_run: bool = Field(False, description="print the plan, delete nothing")
+
+
+class RetentionConfig(Config, RetentionPolicy):
+    """`pulsesync retain`: the retention worker."""
+
+
 class PublisherConfig(Config):
     """`pulsesync publish` and the in-process Publisher."""
 
@@ -114,6 +137,7 @@ class PublisherConfig(Config):
     spool_dir: Path | None = Field(None, description="where anchor shards are written before upload (default: tmp)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics on this port")
     watch: WatchConfig = Field(default_factory=WatchConfig)
+    retention: RetentionPolicy | None = Field(None, description="run the retention worker inside the publisher")
 
 
 class DirectorySinkConfig(BaseModel):

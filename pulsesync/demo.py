@@ -1,32 +1,40 @@
-"""`pulsesync demo`: the PULSE protocol end to end on one machine, with no server.
+"""`pulsesync demo`: the PULSE protocol end to end on one machine, with no server to install.
 
-A synthetic trainer (fp32 master weights, AdamW at an RL learning rate, published as bf16)
-publishes (pulsesync.publisher) a signed patch every step and a signed anchor every k steps into a store, in the
-protocol's layout, each ready marker written last with put-if-absent. By default the store is a
-fresh directory (no server); --store points it at S3, R2, MinIO or a shared filesystem. Two
-subscribers verify and apply the steps: one follows from the start (fast path), one joins late
-(slow path: anchor + chain). The demo succeeds only if both end bitwise equal to the trainer.
-Publisher and subscribers are pulsesync's own (pulsesync.publisher, pulsesync.subscriber).
+By default the store is an S3 server started inside this process (moto's server mode on
+127.0.0.1, spoken to over HTTP by the same client as AWS S3); --store points it at S3, R2, MinIO
+or a shared filesystem instead. A synthetic trainer (fp32 master weights, AdamW at an RL learning
+rate, published as bf16) publishes through pulsesync's publisher a signed patch every step and a
+signed anchor every k steps. Subscriber A follows from the start (fast path), B joins late (slow
+path: anchor + chain). One patch object is corrupted in the store: the subscribers detect it,
+fall back to the slow path and recover. Retention prunes the store after every anchor. The demo
+succeeds only if both subscribers, and a rebuild of the newest step from the pruned store, are
+bitwise equal to the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
+import uuid
 from collections.abc import Callable
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import signing
+from pulsesync import layout, signing
 from pulsesync.codec import CodecParams
-from pulsesync.config import PublisherConfig, StoreConfig, SubscriberConfig
+from pulsesync.config import PublisherConfig, RetentionPolicy, StoreConfig, SubscriberConfig
 from pulsesync.errors import ConflictError
+from pulsesync.manifest import parse_manifest
 from pulsesync.publisher import AsyncPublisher
-from pulsesync.store import FileStore, Store, open_store
+from pulsesync.reader import ChainReader
+from pulsesync.retention import RetentionWorker
+from pulsesync.store import S3Store, Store, open_store
+from pulsesync.store.embedded import embedded_s3
 from pulsesync.subscriber import Subscriber
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+
+EMBEDDED_BUCKET = "pulsesync-demo"
 
 
 def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -48,15 +56,23 @@ def run_demo(
     store: StoreConfig | None = None,
     out: Callable[[str], None] = print,
 ) -> bool:
-    """Run the demo; prints a per-step table and a summary; True iff both subscribers are bit-exact.
-
-    Without a store URL it publishes into a fresh directory (no server needed).
-    """
+    """Run the demo; prints a per-step table and a summary; True iff everything ends bit-exact."""
     args = (steps, anchor_interval, hidden, layers, lr, late_join, seed, params or CodecParams(), out)
     if store is not None and store.url:
         return asyncio.run(_demo(open_store(store), *args))
-    with tempfile.TemporaryDirectory(prefix="pulsesync-demo-") as tmp:
-        return asyncio.run(_demo(FileStore(tmp), *args))
+    with embedded_s3(EMBEDDED_BUCKET) as endpoint:
+        return asyncio.run(
+            _demo(S3Store(EMBEDDED_BUCKET, f"demo-{uuid.uuid4().hex[:8]}", endpoint_url=endpoint), *args)
+        )
+
+
+async def _corrupt_patch(store: Store, step: int) -> str:
+    """Flip one byte of a published patch object in the store (as a faulty disk or proxy would)."""
+    object_key = parse_manifest(await store.get(layout.ready_key(step, "patch"))).objects[0].key
+    data = bytearray(await store.get(object_key))
+    data[len(data) // 2] ^= 0x01
+    await store.put(object_key, bytes(data))
+    return object_key
 
 
 async def _demo(
@@ -76,6 +92,7 @@ async def _demo(
             raise ConflictError(f"{store.url} already holds published steps ({info.key}); use an empty prefix")
         t_start = time.perf_counter()
         late_join = late_join if late_join is not None else max(1, steps * 2 // 3 - 3)  # between anchors
+        corrupt_at = next((s for s in range(2 * anchor_interval, 0, -anchor_interval) if late_join < s <= steps), None)
         key = Ed25519PrivateKey.generate()
         trusted = dict(signing.trusted_keys([key.public_key()]))
         shapes = llm_like_shapes(hidden, layers, vocab=96 * hidden)
@@ -87,20 +104,27 @@ async def _demo(
         )
         for _ in range(12):  # past AdamW's first steps, whose updates are unusually dense
             trainer.step()
-        config = PublisherConfig(anchor_interval=anchor_interval, codec=params)
-        publisher = AsyncPublisher(config, store=store, signing_key=key)
+        publisher = AsyncPublisher(
+            PublisherConfig(anchor_interval=anchor_interval, codec=params), store=store, signing_key=key
+        )
         await publisher.start()
         sub_config = SubscriberConfig(codec=params)
-        early, late = (Subscriber(sub_config, store=store, trusted=trusted) for _ in "AB")
-        paths: dict[int, dict[str, int]] = {id(early): {}, id(late): {}}
+        subs = {name: Subscriber(sub_config, store=store, trusted=trusted) for name in "AB"}
+        joined = {"A": 0, "B": late_join}
+        paths: dict[str, dict[str, int]] = {"A": {}, "B": {}}
+        retention = RetentionWorker(
+            store, RetentionPolicy(keep_patches=max(1, anchor_interval // 2), keep_anchors=1, grace_seconds=0)
+        )
+        pruned_objects = pruned_bytes = 0
 
-        async def sync(subscriber: Subscriber) -> str:
-            path = (await subscriber.sync()).path
-            counts = paths[id(subscriber)]
-            counts[path] = counts.get(path, 0) + 1
-            return path
+        async def sync(name: str) -> str:
+            sub = subs[name]
+            fallbacks = sum(sub.status.fallbacks.values())
+            path = (await sub.sync()).path
+            paths[name][path] = paths[name].get(path, 0) + 1
+            return f"{path} (fell back)" if sum(sub.status.fallbacks.values()) > fallbacks else path
 
-        out(f"{'step':>5} {'published':<15} {'wire bytes':>12} {'density':>8} {'ratio':>7}  {'A path':<10} B path")
+        out(f"{'step':>5} {'published':<13} {'wire bytes':>12} {'density':>8} {'ratio':>6}  {'A':<17} {'B':<17} note")
         dense = patch_bytes = 0
         for step in range(steps + 1):
             if step:
@@ -110,27 +134,55 @@ async def _demo(
             await publisher.publish(step, state)
             await publisher.flush()  # the demo's subscribers read each step right after it commits
             published = [r for r in publisher.reports if r.step == step and r.ok]
-            kinds = "+".join(r.kind for r in published)
             patch = next((r for r in published if r.kind == "patch"), None)
             patch_bytes += patch.wire_bytes if patch else 0
-            density = f"{patch.density:.2%}" if patch else "-"
-            ratio = f"{patch.ratio:.0f}x" if patch else "-"
-            a_path = await sync(early)
-            b_path = await sync(late) if step >= late_join else "-"
-            out(f"{step:>5} {kinds:<15} {published[0].wire_bytes:>12,} {density:>8} {ratio:>7}  {a_path:<10} {b_path}")
-        ok = all(s.state is not None and _bits_equal(s.state, trainer.state()) for s in (early, late))
+            notes = []
+            if step == corrupt_at:
+                notes.append(f"corrupted {(await _corrupt_patch(store, step)).rsplit('/', 1)[-1]} in the store")
+            a_path = await sync("A")
+            b_path = await sync("B") if step >= late_join else "-"
+            if step and step % anchor_interval == 0:
+                plan = await retention.run_once()
+                pruned_objects += plan.deleted_objects
+                pruned_bytes += plan.freed_bytes
+                notes.append(f"retention: {len(plan.unmark)} markers, {plan.freed_bytes:,} bytes pruned")
+            out(
+                f"{step:>5} {'+'.join(r.kind for r in published):<13} {published[0].wire_bytes:>12,} "
+                f"{f'{patch.density:.2%}' if patch else '-':>8} {f'{patch.ratio:.0f}x' if patch else '-':>6}  "
+                f"{a_path:<17} {b_path:<17} {'; '.join(notes)}"
+            )
+        await publisher.close()
+        truth = trainer.state()
+        equal = {name: s.state is not None and _bits_equal(s.state, truth) for name, s in subs.items()}
+        rebuilt = await ChainReader(store, trusted).reconstruct()
+        equal["store"] = rebuilt.step == steps and _bits_equal(rebuilt.state, truth)
         full = dense * steps
         out("")
+        out(f"{'':<24} {'A':<34} B")
+        rows = {
+            "joined at step": {n: str(joined[n]) for n in subs},
+            "paths taken": {
+                n: ", ".join(f"{k} x{v}" for k, v in sorted(paths[n].items()) if k != "up-to-date") for n in subs
+            },
+            "manifests verified": {n: str(s.reader.manifests_verified) for n, s in subs.items()},
+            "fallbacks": {
+                n: ", ".join(f"{k} x{v}" for k, v in s.status.fallbacks.items()) or "0" for n, s in subs.items()
+            },
+            "bytes downloaded": {n: f"{s.reader.bytes_downloaded:,}" for n, s in subs.items()},
+            "bitwise equal to trainer": {n: "yes" if equal[n] else "NO" for n in subs},
+        }
+        for label, cells in rows.items():
+            out(f"{label:<24} {cells['A']:<34} {cells['B']}")
         out(
             f"patches on the wire: {patch_bytes:,} bytes for {steps} steps; full checkpoints: {full:,} bytes "
             f"-> {full / max(patch_bytes, 1):.0f}x less"
         )
-        for name, s in zip("AB", (early, late), strict=True):
-            taken = ", ".join(f"{k} x{v}" for k, v in sorted(paths[id(s)].items()) if k != "up-to-date")
-            out(
-                f"subscriber {name}: step {s.step}, paths: {taken}; {s.reader.manifests_verified} manifests "
-                f"verified, {s.reader.bytes_downloaded:,} bytes downloaded, digest {s.digest.root if s.digest else '-'}"
-            )
-        verdict = "bitwise equal to the trainer" if ok else "NOT EQUAL to the trainer"
-        out(f"result: both subscribers {verdict} ({time.perf_counter() - t_start:.1f}s)")
+        out(
+            f"retention: {pruned_objects} objects ({pruned_bytes:,} bytes) pruned; newest step {rebuilt.step} "
+            f"rebuilt from the store (anchor {rebuilt.anchor_step} + {rebuilt.patches_applied} patches): "
+            f"{'bitwise equal' if equal['store'] else 'NOT EQUAL'}"
+        )
+        ok = all(equal.values())
+        verdict = "every subscriber bitwise equal to the trainer" if ok else "NOT bitwise equal to the trainer"
+        out(f"result: {verdict} ({time.perf_counter() - t_start:.1f}s)")
         return ok

@@ -4,6 +4,7 @@
 {prefix}/anchors/{step:012d}/...        anchor shards, index, config files
 {prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
 {prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
+{prefix}/retention/{step:012d}.{kind}.json  a marker retention removed: its payload, due for deletion
 
 Payload names inside a step's folder carry the writing publisher's run id, so two publishers (or a
 crashed attempt and its restart) never write the same payload key: nothing is ever overwritten,
@@ -80,3 +81,25 @@ def parse_ready_key(key: str) -> ReadyEntry | None:
     if match is None:
         return None
     return ReadyEntry(int(match.group(1)), match.group(2))  # type: ignore[arg-type]
+
+
+def step_of_payload(key: str) -> int | None:
+    """The step folder a payload key lies in (patches/ or anchors/), or None for any other key."""
+    for folder in ("patches/", "anchors/"):
+        if key.startswith(folder):
+            name = key[len(folder) : len(folder) + STEP_DIGITS]
+            if (
+                len(name) == STEP_DIGITS
+                and name.isdigit()
+                and key[len(folder) + STEP_DIGITS : len(folder) + STEP_DIGITS + 1] == "/"
+            ):
+                return int(name)
+    return None
+
+
+TOMBSTONE_PREFIX = "retention/"
+
+
+def tombstone_key(step: int, kind: Kind) -> str:
+    """Key of the record retention keeps of a removed ready marker until its payload is deleted."""
+    return f"{TOMBSTONE_PREFIX}{step_name(step)}.{kind}.json"

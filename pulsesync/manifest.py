@@ -147,6 +147,38 @@ Manifest = Annotated[PatchManifest | AnchorManifest, Field(discriminator="kind")
 _MANIFEST = TypeAdapter(Manifest)
 
 
+def _load(data: bytes, name: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{name}: expected a JSON object")
+    version = raw.get("format_version")
+    if version != MANIFEST_VERSION:
+        raise UnsupportedVersionError(
+            f"{name}: manifest format_version {version!r} is not supported (this pulsesync reads {MANIFEST_VERSION})"
+        )
+    return raw
+
+
+def _validate(raw: dict[str, Any], name: str) -> PatchManifest | AnchorManifest:
+    try:
+        return _MANIFEST.validate_python(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ManifestError(f"{name}: field {where}: {err['msg']}") from None
+
+
+def parse_manifest(data: bytes, name: str = "manifest") -> PatchManifest | AnchorManifest:
+    """Parse a manifest WITHOUT authenticating it: for tools that only read the chain's shape (retention).
+
+    Never use the result to decide what weights to serve; that is verify_manifest's job.
+    """
+    return _validate(_load(data, name), name)
+
+
 def verify_manifest(
     data: bytes,
     trusted: Mapping[str, Ed25519PublicKey],
@@ -159,17 +191,7 @@ def verify_manifest(
     Raises ManifestError (malformed), UnsupportedVersionError, UnknownKeyError, SignatureError
     (bad signature or any tampered field) or ReplayError (step <= newer_than).
     """
-    try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{name}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{name}: expected a JSON object")
-    version = raw.get("format_version")
-    if version != MANIFEST_VERSION:
-        raise UnsupportedVersionError(
-            f"{name}: manifest format_version {version!r} is not supported (this pulsesync reads {MANIFEST_VERSION})"
-        )
+    raw = _load(data, name)
     kid, signature = raw.get("key_id"), raw.get("signature")
     if not isinstance(kid, str) or not isinstance(signature, str) or not signature:
         raise ManifestError(f"{name}: missing key_id or signature (unsigned manifest)")
@@ -178,12 +200,7 @@ def verify_manifest(
         raise UnknownKeyError(f"{name}: signed by key {kid}, which is not among the {len(trusted)} trusted key(s)")
     payload = canonical_json({k: v for k, v in raw.items() if k != "signature"})
     signing.verify(public_key, payload, signature, name)
-    try:
-        manifest = _MANIFEST.validate_python(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise ManifestError(f"{name}: field {where}: {err['msg']}") from None
+    manifest = _validate(raw, name)
     if newer_than is not None and manifest.step <= newer_than:
         raise ReplayError(f"{name}: step {manifest.step} is not newer than the held step {newer_than} (replay)")
     return manifest

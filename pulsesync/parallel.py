@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -43,3 +44,22 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None =
     # An explicit, different width: a short-lived pool of exactly that size.
     with ThreadPoolExecutor(threads, thread_name_prefix="pulsesync") as pool:
         return iter(list(pool.map(fn, items)))
+
+
+def submit(fn: Callable[..., R], *args: Any) -> Future[R]:
+    """Run fn(*args) on the shared pool (same rule as parallel_map: fn must not wait on the pool)."""
+    return _shared_pool().submit(fn, *args)
+
+
+async def in_thread_to_completion(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """asyncio.to_thread, except that a cancelled caller still waits for the thread to finish.
+
+    For work that writes into memory or files the caller cleans up on failure: cleaning up while
+    the thread still writes would race it.
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from pulsesync import layout
-from pulsesync.codec import apply_patch
+from pulsesync.codec import UndoLog, apply_patch
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import IntegrityError, NotFoundError, ReplayError
-from pulsesync.hf import INDEX_FILE, WEIGHT_SUFFIX
+from pulsesync.hf import INDEX_FILE, WEIGHT_SUFFIX, load_owned
 from pulsesync.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
+from pulsesync.parallel import in_thread_to_completion
 from pulsesync.store import Store
 
 
@@ -66,7 +66,14 @@ class ChainReader:
     ) -> PatchManifest | AnchorManifest:
         """The verified manifest of a step's patch or anchor."""
         key = layout.ready_key(step, kind)
-        data = await self.store.get(key)
+        try:
+            data = await self.store.get(key)
+        except NotFoundError:  # removed by retention since it was listed: forget it
+            kinds = self._ready.get(step, set())
+            kinds.discard(kind)
+            if not kinds:
+                self._ready.pop(step, None)
+            raise
         self.bytes_downloaded += len(data)
         manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
         if manifest.step < step:  # an old, validly signed manifest put back under a newer key
@@ -111,7 +118,7 @@ class ChainReader:
                 if done.size != ref.size:
                     raise IntegrityError(f"{self.store.url}{ref.key}: {done.size} bytes, its manifest lists {ref.size}")
                 try:
-                    shard = await asyncio.to_thread(load_file, path)
+                    shard = await asyncio.to_thread(load_owned, path)
                 except SafetensorError as e:
                     raise IntegrityError(f"{self.store.url}{ref.key}: not a valid safetensors file ({e})") from None
                 path.unlink()
@@ -124,16 +131,27 @@ class ChainReader:
         return state, digest, files
 
     async def apply(
-        self, state: dict[str, torch.Tensor], digest: StateDigest, manifest: PatchManifest, data: bytes | None = None
+        self,
+        state: dict[str, torch.Tensor],
+        digest: StateDigest,
+        manifest: PatchManifest,
+        data: bytes | None = None,
+        undo: UndoLog | None = None,
     ) -> StateDigest:
-        """Apply a verified patch (its bytes fetched here unless given) in place; returns the checked new digest."""
+        """Apply a verified patch (its bytes fetched here unless given) in place; returns the checked new digest.
+
+        With `undo`, what the patch overwrote is logged there (also when it fails part way).
+        """
         if digest.root != manifest.base_digest:
             raise IntegrityError(
                 f"patch {manifest.step}: its base digest {manifest.base_digest} is not the held state's {digest.root}"
             )
         if data is None:
             data = await self.fetch(manifest.objects[0])
-        new = await asyncio.to_thread(apply_patch, state, data, base_digest=digest, threads=self.threads)
+        # The thread writes into `state`: a cancelled caller must not roll back before it is done.
+        new = await in_thread_to_completion(
+            apply_patch, state, data, base_digest=digest, threads=self.threads, undo=undo
+        )
         assert new is not None  # verify=True
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
         return new
@@ -160,9 +178,17 @@ class ChainReader:
         return Reconstructed(target, state, digest, at, len(links), files)
 
     async def apply_chain(
-        self, state: dict[str, torch.Tensor], digest: StateDigest, links: list[PatchManifest], window: int = 4
+        self,
+        state: dict[str, torch.Tensor],
+        digest: StateDigest,
+        links: list[PatchManifest],
+        window: int = 4,
+        undo: list[UndoLog] | None = None,
     ) -> StateDigest:
-        """Apply patches in order, downloading up to `window` patches ahead of the one being applied."""
+        """Apply patches in order, downloading up to `window` patches ahead of the one being applied.
+
+        With `undo`, one log per patch started is appended there, so the caller can roll back.
+        """
         fetches: dict[int, asyncio.Task[bytes]] = {}
 
         def prefetch(i: int) -> None:
@@ -174,7 +200,10 @@ class ChainReader:
                 prefetch(i)
             for i, link in enumerate(links):
                 prefetch(i + window)
-                digest = await self.apply(state, digest, link, await fetches.pop(i))
+                data = await fetches.pop(i)
+                if undo is not None:
+                    undo.append(UndoLog())
+                digest = await self.apply(state, digest, link, data, undo[-1] if undo is not None else None)
         finally:
             for task in fetches.values():
                 task.cancel()

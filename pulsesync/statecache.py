@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pulsesync.digest import StateDigest, state_digest
+from pulsesync.hf import load_owned
 from pulsesync.store.base import fsync_dir, temp_path
 from pulsesync.tensors import State
 
@@ -81,7 +82,7 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
         files = {name: (cache_dir / FILES_DIR / name).read_bytes() for name in record.get("files", {})}
         if bad := [n for n, sha in record.get("files", {}).items() if hashlib.sha256(files[n]).hexdigest() != sha]:
             raise ValueError(f"file {bad[0]} does not match its SHA-256")
-        state = load_file(str(tensors))
+        state = load_owned(tensors)
     except (OSError, ValueError, KeyError, TypeError, ValidationError, SafetensorError) as e:
         log.warning("discarding the state cache in %s: unreadable (%s)", cache_dir, e)
         return None

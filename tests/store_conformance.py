@@ -6,6 +6,7 @@ A backend's test module subclasses StoreConformance and provides the `store` fix
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import os
 from pathlib import Path
@@ -92,6 +93,10 @@ class StoreConformance:
         assert await _keys(store, "nothing/") == []
         sizes = {o.key: o.size async for o in store.list()}
         assert sizes == {k: len(k) for k in keys}
+        # Listings and heads say when each object was written (retention's grace period needs it).
+        now = dt.datetime.now(dt.timezone.utc)
+        for info in [o async for o in store.list()] + [await store.head(keys[0])]:
+            assert info.last_modified is not None and abs((now - info.last_modified).total_seconds()) < 120
 
     async def test_list_paginates_past_1000(self, store: Store) -> None:
         keys = [f"many/{i:05d}" for i in range(1100)]

@@ -17,11 +17,14 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("keygen", "demo", "publish", "subscribe", "store"):
+    for command in ("keygen", "demo", "publish", "subscribe", "retain", "inspect", "verify", "store"):
         assert command in out
 
 
-@pytest.mark.parametrize("command", ["keygen", "demo", "publish", "subscribe", "store ls", "store put", "store get"])
+@pytest.mark.parametrize(
+    "command",
+    ["keygen", "demo", "publish", "subscribe", "retain", "inspect", "verify", "store ls", "store put", "store get"],
+)
 def test_every_command_takes_the_common_flags(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main([*command.split(), "--help"])
@@ -52,11 +55,14 @@ def test_config_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert err.count("\n") == 1 and "codec." in err
 
 
-def test_demo_small_run_is_bit_exact(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.integration
+def test_demo_small_run_on_the_embedded_s3_server_is_bit_exact(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "6", "--anchor-interval", "3", "--hidden", "64", "--layers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "both subscribers bitwise equal to the trainer" in out
-    assert "slow" in out and "fast" in out
+    assert "store s3://pulsesync-demo/" in out and "result: every subscriber bitwise equal to the trainer" in out
+    step6 = next(line for line in out.splitlines() if line.split()[:1] == ["6"])
+    assert "corrupted patch-" in step6 and step6.count("slow (fell back)") == 2  # detected, then recovered
+    assert "IntegrityError x1" in out and "retention: " in out and "rebuilt from the store" in out
 
 
 def test_console_script_exit_code(tmp_path: Path) -> None:

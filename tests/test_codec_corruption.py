@@ -14,7 +14,7 @@ import pytest
 import torch
 import zstandard
 
-from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, apply_patch, encode_patch, read_header
+from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, encode_patch, read_header
 from pulsesync.codec.format import (
     PatchHeader,
     RecordHeader,
@@ -270,6 +270,18 @@ def test_result_digest_mismatch(pair, patch) -> None:
     header, records = _records(patch)
     wrong = header.model_copy(update={"state_digest": "f" * 32})
     _expect(IntegrityError, pair[0], _assemble(wrong, records), "promises")
+
+
+def test_undo_log_restores_a_state_whose_patch_failed_after_writing(pair, patch) -> None:
+    base, _ = pair
+    header, records = _records(patch)
+    wrong = header.model_copy(update={"state_digest": "f" * 32})  # fails only after every record is applied
+    work, undo = clone_state(base), UndoLog()
+    with pytest.raises(IntegrityError, match="promises"):
+        apply_patch(work, _assemble(wrong, records), undo=undo)
+    assert undo.chunks and not torch.equal(work["sparse"].view(torch.int16), base["sparse"].view(torch.int16))
+    undo.rollback(work)
+    assert_states_equal(work, base)
 
 
 def test_patch_applies_only_to_matching_tensor_layout(pair, patch) -> None:

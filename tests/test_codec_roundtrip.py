@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, apply_patch, encode_patch, read_header
+from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, encode_patch, read_header
 from pulsesync.digest import state_digest
-from pulsesync.tensors import DTYPES, dtype_info
+from pulsesync.tensors import DTYPES, dtype_info, flat_bits
 from tests.helpers import assert_bits_equal, assert_states_equal, clone_state, mutate, random_bits, state_pairs
 
 CODINGS = ["delta", "raw", "xor"]
@@ -28,6 +28,30 @@ def test_roundtrip_any_state(pair: tuple[dict, dict], coding: str, level: int) -
     digest = apply_patch(work, patch)
     assert_states_equal(work, new)
     assert digest is not None and digest.root == state_digest(new).root
+
+
+@given(pair=state_pairs(), coding=st.sampled_from(CODINGS), threads=st.sampled_from([1, 2]))
+def test_undo_log_restores_the_base_and_names_the_changed_positions(
+    pair: tuple[dict, dict], coding: str, threads: int
+) -> None:
+    base, new = pair
+    patch = encode_patch(base, new, CodecParams(value_coding=coding, chunk_elements=1024))
+    # Transposed copies: same values, non-contiguous targets (replaced by contiguous ones while patching).
+    work = {n: t.clone().t().contiguous().t() if t.dim() == 2 else t.clone() for n, t in base.items()}
+    work_base = dict(work)
+    undo = UndoLog()
+    digest = apply_patch(work, patch, undo=undo, threads=threads, base_digest=state_digest(work))
+    assert_states_equal(work, new)
+    assert digest is not None and digest.root == state_digest(new).root
+    for name, positions in undo.changed().items():
+        old, now = base.get(name), new.get(name)
+        if positions is not None:  # sparse: exactly the differing elements, sorted
+            assert old is not None and now is not None
+            expected = torch.nonzero(flat_bits(old) != flat_bits(now)).reshape(-1)
+            assert torch.equal(torch.sort(positions).values, expected)
+    undo.rollback(work)
+    assert work.keys() == base.keys() and all(work[n] is work_base[n] for n in work)
+    assert_states_equal(work, base)
 
 
 @settings(max_examples=40)

@@ -7,10 +7,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pulsesync.config import Config, PublisherConfig, SubscriberConfig, load_config
+from pulsesync.config import Config, PublisherConfig, RetentionConfig, SubscriberConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-MODELS: dict[str, type[BaseModel]] = {"publisher.yaml": PublisherConfig, "subscriber.yaml": SubscriberConfig}
+MODELS: dict[str, type[BaseModel]] = {
+    "publisher.yaml": PublisherConfig,
+    "subscriber.yaml": SubscriberConfig,
+    "retention.yaml": RetentionConfig,
+}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -19,7 +23,7 @@ def test_config_file_validates(path: Path) -> None:
     assert isinstance(config, Config) and config.store.url
 
 
-@pytest.mark.parametrize("name", ["publisher.yaml", "subscriber.yaml"])
+@pytest.mark.parametrize("name", ["publisher.yaml", "subscriber.yaml", "retention.yaml"])
 def test_daemon_examples_document_every_option(name: str) -> None:
     text = (Path(__file__).parent.parent / "configs" / name).read_text()
     model = MODELS[name]
@@ -37,4 +41,30 @@ def test_every_sink_type_is_documented() -> None:
 
 
 def test_there_are_configs() -> None:
-    assert {"pulsesync.yaml", "publisher.yaml", "subscriber.yaml"} <= {p.name for p in CONFIGS}
+    assert {"pulsesync.yaml", "publisher.yaml", "subscriber.yaml", "retention.yaml", "minio-local.yaml"} <= {
+        p.name for p in CONFIGS
+    }
+
+
+DEPLOY = Path(__file__).parent.parent / "deploy"
+
+
+def test_deploy_examples_parse_and_point_at_configs_that_exist() -> None:
+    import re
+
+    import yaml
+
+    manifests = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+    units = sorted((DEPLOY / "systemd").iterdir())
+    assert len(manifests) == 3 and len(units) == 4
+    referenced = set()
+    for path in [*manifests, *units]:
+        text = path.read_text()
+        if path.suffix == ".yaml":
+            docs = [d for d in yaml.safe_load_all(text) if d]
+            assert docs and all("kind" in d and "apiVersion" in d for d in docs), path
+        referenced |= set(re.findall(r"/etc/pulsesync/([a-z-]+\.yaml)", text))
+    compose = (Path(__file__).parent.parent / "docker-compose.yml").read_text()
+    referenced |= set(re.findall(r"/etc/pulsesync/([a-z-]+\.yaml)", compose))
+    assert referenced == {"subscriber.yaml", "publisher.yaml", "retention.yaml", "minio-local.yaml"}
+    assert referenced <= {p.name for p in CONFIGS}

@@ -202,11 +202,16 @@ async def test_vllm_sink_applies_sparse_updates_through_the_worker_extension(
 
 
 def test_update_files_are_sparse_where_the_engine_holds_whole_tensors(states: list[dict[str, torch.Tensor]]) -> None:
+    from pulsesync.codec import UndoLog, apply_patch, encode_patch
     from pulsesync.digest import state_digest
 
     old, new = states[0], states[1]
+    undo = UndoLog()  # the changed positions come from applying the real patch, as in the subscriber
+    patched = {n: t.clone() for n, t in old.items()}
+    digest = apply_patch(patched, encode_patch(old, new), undo=undo)
+    assert digest is not None
     whole_names = {n: tuple(t.shape) for n, t in old.items() if "mlp" not in n}
-    update = build_update(new, old, state_digest(new), state_digest(old), whole_names)
+    update = build_update(patched, digest, state_digest(old), undo.changed(), whole_names)
     assert any(k.endswith(INDEX_SUFFIX) for k in update) and any("mlp" in k and "::" not in k for k in update)
     engine = tiny_qwen2()
     engine.load_state_dict(old)

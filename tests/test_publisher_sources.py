@@ -218,3 +218,18 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
     assert ready == {1: {"anchor"}, 2: {"patch"}, 3: {"patch", "anchor"}}
     final = asyncio.run(reader.reconstruct(3))
     assert_states_equal(final.state, {n: t.detach() for n, t in model.state_dict().items()})
+
+
+def test_cli_publish_synthetic_trainer_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key_dir = tmp_path / "keys"
+    signing.write_keypair(key_dir)
+    store = tmp_path / "store"
+    flags = ["--store", store.as_uri(), "--signing-key", str(key_dir / "publisher.key"), "--anchor-interval", "2"]
+    assert main(["publish", *flags, "--synthetic", "--interval", "0", "--max-steps", "3"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4  # anchor 0, patches 1 and 2, anchor 2
+    # A restart continues the numbering after the newest step (and anchors anew).
+    assert main(["publish", *flags, "--synthetic", "--interval", "0", "--max-steps", "1"]) == 0
+    reader = ChainReader(FileStore(store), signing.trusted_keys([key_dir / "publisher.pub"]))
+    ready = asyncio.run(reader.ready())
+    assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"anchor"}}
+    assert asyncio.run(reader.reconstruct()).step == 3

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -20,9 +21,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import layout, signing
 from pulsesync.codec import encode_patch
-from pulsesync.config import PublisherConfig, SubscriberConfig
+from pulsesync.config import CommandSinkConfig, PublisherConfig, SubscriberConfig
 from pulsesync.digest import state_digest
 from pulsesync.errors import (
+    EngineError,
     IntegrityError,
     NotFoundError,
     PulseSyncError,
@@ -169,6 +171,13 @@ async def _wrong_base(store: Store, key: Ed25519PrivateKey) -> None:
     await store.put(layout.ready_key(7, "patch"), manifest.signed(key).to_bytes())
 
 
+async def _wrong_result_digest(store: Store, key: Ed25519PrivateKey) -> None:
+    """A correctly signed manifest 7 promising another state digest: found only after the patch is applied."""
+    manifest = PatchManifest.model_validate_json(await store.get(layout.ready_key(7, "patch")))
+    manifest = manifest.model_copy(update={"state_digest": state_digest(trainer_states(STATES)[8])})
+    await store.put(layout.ready_key(7, "patch"), manifest.signed(key).to_bytes())
+
+
 FAULTS: dict[str, tuple[FaultSetup, type[PulseSyncError]]] = {
     "flipped-byte-in-patch": (_flipped_patch, IntegrityError),
     "truncated-patch": (_truncated_patch, IntegrityError),
@@ -177,6 +186,7 @@ FAULTS: dict[str, tuple[FaultSetup, type[PulseSyncError]]] = {
     "tampered-manifest": (_tampered_manifest, SignatureError),
     "replayed-older-manifest": (_replayed_manifest, ReplayError),
     "patch-with-wrong-base-digest": (_wrong_base, IntegrityError),
+    "patch-with-wrong-result-digest": (_wrong_result_digest, IntegrityError),  # rolled back after writing
 }
 
 
@@ -198,6 +208,22 @@ async def test_a_bad_link_is_never_served_and_the_next_anchor_recovers(
     assert (result.path, result.step) == ("slow", 10)
     assert_serving(sub, 10)
     assert (tmp_path / "out" / "current").resolve().name == "step-000000000010"
+
+
+async def test_a_sink_failure_on_the_fast_path_rolls_the_state_back(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, tmp_path: Path
+) -> None:
+    refuse = tmp_path / "refuse"
+    script = f"import os, sys; sys.exit(3 if os.path.exists({str(refuse)!r}) else 0)"
+    sub = subscriber(store, key, sinks=[CommandSinkConfig(argv=[sys.executable, "-c", script])])
+    await sub.sync(6)
+    refuse.touch()
+    with pytest.raises(EngineError, match="exited with 3 at step 7"):
+        await sub.sync(7)  # patch 7 was applied in place and verified, then the sink refused it
+    assert_serving(sub, 6)
+    refuse.unlink()
+    assert (await sub.sync(8)).path == "chain"
+    assert_serving(sub, 8)
 
 
 async def test_a_corrupted_anchor_shard_is_never_served(

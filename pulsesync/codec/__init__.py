@@ -3,7 +3,7 @@
 Pure: no I/O. See docs/patch-format.md for the byte layout.
 """
 
-from pulsesync.codec.decoder import PatchDecoder, PatchRecord, apply_patch, decode_record, read_header
+from pulsesync.codec.decoder import PatchDecoder, PatchRecord, UndoLog, apply_patch, decode_record, read_header
 from pulsesync.codec.encoder import encode_patch
 from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.params import CodecParams
@@ -17,6 +17,7 @@ __all__ = [
     "RecordHeader",
     "RecordKind",
     "ValueCoding",
+    "UndoLog",
     "apply_patch",
     "decode_record",
     "encode_patch",

@@ -38,11 +38,18 @@ def to_ordered(bits: torch.Tensor, info: DTypeInfo) -> torch.Tensor:
 
 def to_ordered_(bits: torch.Tensor, info: DTypeInfo) -> torch.Tensor:
     """In-place to_ordered (one temporary instead of three)."""
-    if info.is_float:
-        top = 8 * info.width - 1
-        flip = bits >> top  # 0 for positive, -1 for negative
-        flip &= (1 << top) - 1
-        bits ^= flip
+    if not info.is_float:
+        return bits
+    top = 8 * info.width - 1
+    if bits.device.type == "cpu":  # numpy's small-int kernels are ~3x torch's on CPU; same memory
+        a = bits.numpy()
+        flip = a >> np.array(top, a.dtype)  # 0 for positive, -1 for negative
+        flip &= np.array((1 << top) - 1, a.dtype)
+        a ^= flip
+        return bits
+    flip = bits >> top
+    flip &= (1 << top) - 1
+    bits ^= flip
     return bits
 
 
@@ -65,7 +72,10 @@ def decode_values_(old: torch.Tensor, coded: torch.Tensor, info: DTypeInfo, codi
     if coding == ValueCoding.XOR:
         return old.bitwise_xor_(coded)
     to_ordered_(old, info)
-    if info.width == 4:
+    if old.device.type == "cpu":
+        a = old.numpy()
+        a += coded.numpy().view(a.dtype)  # numpy integer addition wraps at every width
+    elif info.width == 4:
         old.copy_(_wrapping("+", old, coded, info))
     else:
         old += coded  # 1-, 2- and 8-byte integer addition wraps (see _wrapping)
@@ -123,19 +133,60 @@ def pack_small(coded: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # Byte -> its four 2-bit codes, lowest first.
-_CODES_OF_BYTE = ((np.arange(256, dtype=np.uint8)[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).astype(np.uint8)
+_CODES_OF_BYTE = (np.arange(256, dtype=np.uint8)[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _row_table(rows: np.ndarray) -> np.ndarray:
+    """A (256, 4) table as 256 opaque rows: 1-D fancy indexing is ~7x faster than indexing 2-D rows."""
+    rows = np.ascontiguousarray(rows)
+    return rows.view(np.dtype((np.void, rows.itemsize * 4))).reshape(256)
+
+
+def _lookup(table: np.ndarray, packed: np.ndarray, count: int, dtype: type[np.integer]) -> np.ndarray:
+    """Four table values per packed byte, as a new writable array of `count` values."""
+    values: np.ndarray = table[packed].view(dtype)[:count]
+    return values
+
+
+_CODE_TABLES = {width: _row_table(_CODES_OF_BYTE.astype(dtype)) for width, dtype in _UNSIGNED.items()}
+
+
+def _delta_rows(width: int) -> np.ndarray:
+    deltas = unzigzag(_CODES_OF_BYTE.astype(_UNSIGNED[width]) + 1, _SIGNED[width])
+    deltas[_CODES_OF_BYTE == SMALL_ESCAPE] = 0
+    return _row_table(deltas)
+
+
+# Offset-1 delta codes straight to signed deltas (codes 0..2 -> unzigzag(1..3) = -1, 1, -2), and
+# the escape code to 0, which no changed element codes to: one lookup, then fill in the escapes.
+_DELTA_TABLES = {width: _delta_rows(width) for width in _UNSIGNED}
 
 
 def unpack_small(packed: np.ndarray, count: int, escapes: np.ndarray, offset: int, where: str) -> np.ndarray:
     """Inverse of pack_small: unsigned values of the escapes' dtype."""
-    codes = _CODES_OF_BYTE[packed].reshape(-1)[:count]
-    big = codes == SMALL_ESCAPE
+    sym = _lookup(_CODE_TABLES[escapes.itemsize], packed, count, _UNSIGNED[escapes.itemsize])
+    big = sym == SMALL_ESCAPE
     if int(np.count_nonzero(big)) != escapes.size:
         raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
-    sym: np.ndarray = codes.astype(escapes.dtype)
-    sym[big] = escapes
+    if escapes.size:
+        sym[big] = escapes
     sym += np.array(offset, escapes.dtype)
     return sym
+
+
+def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, offset: int, where: str) -> np.ndarray:
+    """unzigzag(unpack_small(...)) as signed values; one table lookup when offset is 1 (sparse records)."""
+    signed = _SIGNED[escapes.itemsize]
+    if offset != 1:
+        return unzigzag(unpack_small(packed, count, escapes, offset, where), signed)
+    deltas = _lookup(_DELTA_TABLES[escapes.itemsize], packed, count, signed)
+    big = deltas == 0
+    if int(np.count_nonzero(big)) != escapes.size:
+        raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
+    if escapes.size:
+        deltas[big] = unzigzag(escapes + np.array(1, escapes.dtype), signed)
+    return deltas
 
 
 def changed_positions(old: np.ndarray, new: np.ndarray, step: int = 1 << 20) -> np.ndarray:
@@ -173,8 +224,9 @@ def decode_positions(gaps16: np.ndarray, escapes: np.ndarray, length: int, where
         gaps[marks] = escapes.astype(np.int64)
     elif gaps16.size and bool((gaps16 == ESCAPE).any()):
         raise CorruptPatchError(f"{where}: escape count does not match the gap stream")
-    positions = np.cumsum(gaps)
-    positions += np.arange(positions.size, dtype=np.int64)
+    gaps += 1  # p_i = p_{i-1} + gap_i + 1: one cumulative sum, in place
+    positions = np.cumsum(gaps, out=gaps)
+    positions -= 1
     if positions.size and int(positions[-1]) >= length:
         raise CorruptPatchError(f"{where}: position {int(positions[-1])} is outside the chunk of {length}")
     return positions

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -25,9 +27,9 @@ from pulsesync.codec.format import (
     parse_record_header,
     payload_hash,
 )
-from pulsesync.digest import StateDigest, state_digest
+from pulsesync.digest import DigestAlgorithm, StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
 from pulsesync.errors import CorruptPatchError, IntegrityError
-from pulsesync.parallel import parallel_map
+from pulsesync.parallel import parallel_map, submit
 from pulsesync.tensors import describe
 
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -43,6 +45,47 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return decompressor
 
 
+@dataclass
+class UndoLog:
+    """What applying a patch overwrote: enough to restore the state it was applied to.
+
+    Lets a caller patch its only copy of a state in place (no full clone) and still get the old
+    state back, bit for bit, if the result does not verify. Also says which positions changed.
+    """
+
+    # (name, start, length, chunk-relative positions or None for the whole chunk, old bits)
+    chunks: list[tuple[str, int, int, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    tensors: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)  # old tensor (None: added)
+
+    def rollback(self, state: MutableMapping[str, torch.Tensor]) -> None:
+        """Restore `state` to what it was before the patch."""
+        for name, start, length, index, old in reversed(self.chunks):
+            chunk = state[name].view(-1).view(old.dtype).narrow(0, start, length)
+            if index is None:
+                chunk.copy_(old)
+            else:
+                chunk.index_copy_(0, index, old)
+        for name, tensor in reversed(self.tensors):
+            if tensor is None:
+                state.pop(name, None)
+            else:
+                state[name] = tensor
+
+    def changed(self) -> dict[str, torch.Tensor | None]:
+        """Flat positions each changed tensor changed at (sorted), or None where the whole tensor changed."""
+        out: dict[str, torch.Tensor | None] = {name: None for name, _ in self.tensors}
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for name, start, _, index, _ in self.chunks:
+            if index is None or name in out:
+                out[name] = None
+            else:
+                pieces.setdefault(name, []).append(index + start)
+        for name, parts in pieces.items():
+            if name not in out:
+                out[name] = torch.cat(parts)
+        return out
+
+
 @dataclass(frozen=True)
 class PatchRecord:
     """One decoded record: chunk-relative positions and coded values, ready to apply."""
@@ -56,10 +99,14 @@ class PatchRecord:
         """Name of the tensor this record changes."""
         return self.header.name
 
-    def apply(self, state: MutableMapping[str, torch.Tensor], device: torch.device | None = None) -> None:
+    def apply(
+        self, state: MutableMapping[str, torch.Tensor], device: torch.device | None = None, undo: UndoLog | None = None
+    ) -> None:
         """Apply to `state` in place (a non-contiguous target is first replaced by a contiguous copy)."""
         h = self.header
         check_target(h, state)
+        if undo is not None and (h.kind in (RecordKind.ADD, RecordKind.REPLACE, RecordKind.REMOVE)):
+            undo.tensors.append((h.name, state.get(h.name)))
         if h.kind == RecordKind.REMOVE:
             del state[h.name]
         elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):
@@ -74,16 +121,28 @@ class PatchRecord:
             assert self.values is not None
             tensor = state[h.name]
             if not tensor.is_contiguous():
+                if undo is not None:
+                    undo.tensors.append((h.name, tensor))
                 state[h.name] = tensor = tensor.contiguous()
             chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
             coded = torch.from_numpy(self.values).to(chunk.device)
             if h.kind == RecordKind.DENSE:
+                if undo is not None:
+                    undo.chunks.append((h.name, h.start, h.length, None, chunk.clone()))
                 bits.decode_values_(chunk, coded, h.info, h.coding)
             else:
                 assert self.positions is not None
                 index = torch.from_numpy(self.positions).to(chunk.device)
-                values = bits.decode_values_(chunk.index_select(0, index), coded, h.info, h.coding)
-                chunk.index_copy_(0, index, values)
+                values = chunk.index_select(0, index)
+                if undo is not None:
+                    undo.chunks.append((h.name, h.start, h.length, index, values.clone()))
+                chunk.index_copy_(0, index, bits.decode_values_(values, coded, h.info, h.coding))
+
+
+def _kept(base: StateDigest, state: MutableMapping[str, torch.Tensor], name: str) -> TensorDigest:
+    """The digest of a tensor the patch did not touch: the base digest's entry (hashed if it has none)."""
+    kept = base.tensors.get(name)
+    return kept if kept is not None else tensor_digest(state[name], base.algorithm)
 
 
 def _state_device(state: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -142,8 +201,9 @@ def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, 
         return bits.from_planes(buf, n, np_int)
     packed_len = (n + 3) // 4
     escaped = bits.from_planes(buf[packed_len:], h.value_escapes, _NP_UINT[h.info.width])
-    values = bits.unpack_small(buf[:packed_len], n, escaped, offset, where)
-    return bits.unzigzag(values, np_int) if h.coding == ValueCoding.DELTA else values.view(np_int)
+    if h.coding == ValueCoding.DELTA:
+        return bits.unpack_small_deltas(buf[:packed_len], n, escaped, offset, where)
+    return bits.unpack_small(buf[:packed_len], n, escaped, offset, where).view(np_int)
 
 
 class PatchDecoder:
@@ -256,19 +316,24 @@ def apply_patch(
     verify: bool = True,
     threads: int | None = 1,
     max_decoded_bytes: int | None = None,
+    undo: UndoLog | None = None,
 ) -> StateDigest | None:
     """Apply a patch to `state` in place; bit-exact. Returns the new state's digest if verified.
 
     `base_digest` is the digest of `state` if already known (else it is computed); it must equal
-    the patch's base digest. With `verify`, the result's digest must equal the patch's state digest.
-    On any error `state` may be partially patched: apply to a working copy and discard it on error.
-    Records decode on one thread by default: their many small array operations contend for the
-    GIL, so more threads were slower on every machine measured (docs/benchmarks.md).
+    the patch's base digest. With `verify`, the result's digest must equal the patch's state digest:
+    each tensor is re-hashed on the shared pool as soon as its last record is applied (overlapping
+    the decode of the next ones), and tensors the patch does not touch keep their base digest.
+    On any error `state` may be partially patched: pass an `undo` log and roll it back, or apply
+    to a working copy and discard it. Records decode on one thread by default: their many small
+    array operations contend for the GIL, so more threads were slower on every machine measured
+    (docs/benchmarks.md).
     """
     parser = PatchDecoder(max_decoded_bytes)
     raw_records = parser.split(patch)
     header = parser.finish()
-    current = base_digest or state_digest(state, header.digest_algorithm, threads)  # type: ignore[arg-type]
+    algorithm = cast(DigestAlgorithm, header.digest_algorithm)
+    current = base_digest or state_digest(state, algorithm, threads)
     if current.root != header.base_digest:
         raise IntegrityError(
             f"patch was made against state digest {header.base_digest}, "
@@ -276,23 +341,44 @@ def apply_patch(
         )
     for h, _ in raw_records:
         check_target(h, state)
-        if h.kind in (RecordKind.SPARSE, RecordKind.DENSE) and not state[h.name].is_contiguous():
-            state[h.name] = state[h.name].contiguous()
+        tensor = state[h.name] if h.kind in (RecordKind.SPARSE, RecordKind.DENSE) else None
+        if tensor is not None and not tensor.is_contiguous():
+            if undo is not None:
+                undo.tensors.append((h.name, tensor))
+            state[h.name] = tensor.contiguous()
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> PatchRecord | None:
         record = decode_record(*item)
         if item[0].kind in (RecordKind.SPARSE, RecordKind.DENSE):
-            record.apply(state)  # disjoint chunks: safe to write concurrently
+            record.apply(state, undo=undo)  # disjoint chunks: safe to write concurrently
             return None
         return record
 
+    rehashed: dict[str, Future[TensorDigest]] = {}
+
+    def rehash(name: str) -> None:
+        if verify and name in state:
+            rehashed[name] = submit(tensor_digest, state[name], algorithm)
+
     device = _state_device(state)
-    for record in list(parallel_map(decode_and_apply, raw_records, threads)):
+    whole: list[PatchRecord] = []
+    previous: str | None = None
+    # In order: once a record of the next tensor has been applied, the previous tensor is final.
+    for (h, _), record in zip(raw_records, parallel_map(decode_and_apply, raw_records, threads), strict=True):
+        if previous is not None and h.name != previous:
+            rehash(previous)
+        previous = None if record is not None else h.name
         if record is not None:
-            record.apply(state, device)
+            whole.append(record)
+    if previous is not None:
+        rehash(previous)
+    for record in whole:  # whole-tensor records change the dict itself: after the concurrent part
+        record.apply(state, device, undo)
+        rehash(record.name)
     if not verify:
         return None
-    result = state_digest(state, header.digest_algorithm, threads)  # type: ignore[arg-type]
+    tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
+    result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
     if result.root != header.state_digest:
         raise IntegrityError(f"patched state has digest {result.root}, the patch promises {header.state_digest}")
     return result

@@ -7,7 +7,6 @@ sees a complete step, old or new. Older step directories beyond `keep` are remov
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from pulsesync.config import DirectorySinkConfig
 from pulsesync.engines.base import Sink, Update
 from pulsesync.hf import write_model_dir
+from pulsesync.parallel import in_thread_to_completion
 from pulsesync.store.base import fsync_dir
 
 CURRENT = "current"
@@ -35,7 +35,8 @@ class DirectorySink(Sink):
 
     async def deliver(self, update: Update) -> None:
         """Write step-<N>/, swap `current` to it, prune old steps; sets update.directory."""
-        update.directory = await asyncio.to_thread(self._write, update)
+        # Reads update.state, which the subscriber may roll back on failure: never leave it running.
+        update.directory = await in_thread_to_completion(self._write, update)
 
     def _write(self, update: Update) -> Path:
         out = self.config.out_dir

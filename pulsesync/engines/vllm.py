@@ -9,8 +9,9 @@ Engine side: start vLLM with the extension and the dev-mode endpoints,
 (safetensors) under `update_dir` and calls `POST /collective_rpc {"method": "pulsesync_apply",
 "args": [path]}`, then `POST /reset_prefix_cache`. The update holds only the tensors whose
 per-tensor digest changed; for a tensor the workers hold whole under its checkpoint name (asked
-once with `pulsesync_param_shapes`) it holds just the changed positions and values, written with
-`index_copy_` (sparse, in checkpoint coordinates); other tensors (fused or tensor-parallel shards)
+once with `pulsesync_param_shapes`) it holds just the changed positions (known from the applied
+patches, Update.changes) and values, written with `index_copy_` (sparse, in checkpoint
+coordinates); after a slow path, and for other tensors (fused or tensor-parallel shards)
 go whole through `model.load_weights`, which maps checkpoint names to vLLM's parameters.
 """
 
@@ -31,7 +32,7 @@ from pulsesync.engines.base import Sink, Update
 from pulsesync.engines.http import post_json
 from pulsesync.errors import EngineError
 from pulsesync.store.base import temp_path
-from pulsesync.tensors import State, flat_bits
+from pulsesync.tensors import State
 
 INDEX_SUFFIX = "::pulsesync_index"  # int64 flat positions of the changed elements
 VALUE_SUFFIX = "::pulsesync_values"  # their new values, same dtype as the tensor
@@ -39,22 +40,19 @@ VALUE_SUFFIX = "::pulsesync_values"  # their new values, same dtype as the tenso
 
 def build_update(
     state: State,
-    previous: State | None,
     digest: StateDigest,
     previous_digest: StateDigest | None,
+    changes: Mapping[str, torch.Tensor | None] | None,
     sparse_ok: Mapping[str, tuple[int, ...]],
 ) -> dict[str, torch.Tensor]:
     """Tensors of an update file: changed tensors only; positions + values where sparse_ok has the same shape."""
     out: dict[str, torch.Tensor] = {}
     for name, new in state.items():
-        old = previous.get(name) if previous is not None else None
-        unchanged = previous_digest is not None and previous_digest.tensors.get(name) == digest.tensors.get(name)
-        if old is not None and unchanged:
+        before = previous_digest.tensors.get(name) if previous_digest is not None else None
+        if before is not None and before == digest.tensors.get(name):
             continue
-        same_layout = old is not None and old.dtype == new.dtype and old.shape == new.shape
-        if same_layout and sparse_ok.get(name) == tuple(new.shape):
-            assert old is not None
-            positions = torch.nonzero(flat_bits(old) != flat_bits(new)).reshape(-1)
+        positions = changes.get(name) if changes is not None and before is not None else None
+        if positions is not None and sparse_ok.get(name) == tuple(new.shape):
             out[name + INDEX_SUFFIX] = positions
             out[name + VALUE_SUFFIX] = new.reshape(-1)[positions].contiguous()
         else:
@@ -132,9 +130,7 @@ class VLLMSink(Sink):
                 shapes = await self._rpc(session, "pulsesync_param_shapes")
                 common = set.intersection(*(set(s) for s in shapes))
                 self._sparse_ok = {n: tuple(shapes[0][n]) for n in common if all(s[n] == shapes[0][n] for s in shapes)}
-            tensors = build_update(
-                update.state, update.previous, update.digest, update.previous_digest, self._sparse_ok
-            )
+            tensors = build_update(update.state, update.digest, update.previous_digest, update.changes, self._sparse_ok)
             self.config.update_dir.mkdir(parents=True, exist_ok=True)
             path = update_file_path(self.config.update_dir, update.step)
             tmp = temp_path(path)

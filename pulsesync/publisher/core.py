@@ -37,6 +37,7 @@ from pulsesync.hf import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes, utc_now
 from pulsesync.publisher.snapshot import SnapshotPool, dense_bytes
 from pulsesync.reader import ChainReader
+from pulsesync.retention import RetentionWorker
 from pulsesync.store import Store, open_store
 from pulsesync.tensors import State
 
@@ -181,6 +182,8 @@ class AsyncPublisher:
         self._last_step = -1  # newest step accepted, ours or found in the store
         self._seen_key: str | None = None  # newest ready marker seen in the store
         self._own: set[str] = set()
+        self._retention: asyncio.Task[None] | None = None
+        self._stop_retention = asyncio.Event()
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -195,6 +198,9 @@ class AsyncPublisher:
                 await self._resume(ready)
         metrics.serve(self.config.metrics_port)
         self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
+        if self.config.retention is not None:  # the retention worker, in this process
+            worker = RetentionWorker(self.store, self.config.retention)
+            self._retention = asyncio.create_task(worker.run(self._stop_retention), name="pulsesync-retention")
 
     async def flush(self) -> None:
         """Wait until every accepted step is committed or failed, background anchors included."""
@@ -211,6 +217,9 @@ class AsyncPublisher:
             if self._worker is not None:
                 await self.flush()
         finally:
+            self._stop_retention.set()
+            if self._retention is not None:
+                await self._retention
             if self._worker is not None:
                 self._worker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

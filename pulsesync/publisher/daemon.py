@@ -1,4 +1,5 @@
-"""`pulsesync publish` as a process beside the trainer: watch a checkpoint directory, or publish one checkpoint."""
+"""`pulsesync publish` as a process beside the trainer: watch a checkpoint directory, publish one
+checkpoint, or (for demos such as docker-compose's) publish a synthetic trainer's steps."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import sys
 from pathlib import Path
+
+import torch
 
 from pulsesync.config import PublisherConfig
 from pulsesync.errors import PulseSyncError
 from pulsesync.publisher.checkpoints import find_checkpoints, incomplete_reason, load_checkpoint
 from pulsesync.publisher.core import AsyncPublisher, StepReport
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 log = logging.getLogger("pulsesync.publisher")
 
@@ -67,6 +72,37 @@ async def watch(
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), config.watch.poll_seconds)
     return _outcome(publisher, published) if once else list(publisher.reports)
+
+
+async def publish_synthetic(
+    config: PublisherConfig,
+    interval: float,
+    max_steps: int | None = None,
+    stop: asyncio.Event | None = None,
+    hidden: int = 256,
+    layers: int = 4,
+) -> list[StepReport]:
+    """Train the demo's synthetic model (pulsesync.synthetic) and publish a step every `interval` seconds.
+
+    Numbering continues after the newest step in the store, so a restarted publisher anchors anew.
+    """
+    stop = stop or asyncio.Event()
+    trainer = SyntheticTrainer(llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=1e-6)
+    async with AsyncPublisher(config) as publisher:
+        step = publisher.last_step + 1
+        for _ in range(max_steps if max_steps is not None else sys.maxsize):
+            await publisher.publish(step, await asyncio.to_thread(_next_state, trainer))
+            step += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if stop.is_set():
+                break
+    return list(publisher.reports)
+
+
+def _next_state(trainer: SyntheticTrainer) -> dict[str, torch.Tensor]:
+    trainer.step()
+    return trainer.state()
 
 
 def _outcome(publisher: AsyncPublisher, steps: list[int]) -> list[StepReport]:

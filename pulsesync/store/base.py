@@ -8,6 +8,7 @@ conformance suite (tests/store_conformance.py).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import os
 import uuid
@@ -29,6 +30,7 @@ class ObjectInfo:
     key: str
     size: int
     etag: str | None = None
+    last_modified: dt.datetime | None = None  # UTC
 
 
 @dataclass(frozen=True)

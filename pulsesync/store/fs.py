@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import errno
 import os
 import stat
@@ -23,6 +24,10 @@ from pulsesync.store.retry import translate_error
 _TMP_MARK = ".pulsesync-tmp-"
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def _mtime(st: os.stat_result) -> dt.datetime:
+    return dt.datetime.fromtimestamp(st.st_mtime, dt.timezone.utc)
 
 
 class FileStore(Store):
@@ -75,7 +80,7 @@ class FileStore(Store):
         st = await self._io("head", key, os.stat, self._path(key))
         if not stat.S_ISREG(st.st_mode):  # a directory is a prefix, not an object
             raise NotFoundError(f"head {self.url}{key}: no such object")
-        return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
+        return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}", _mtime(st))
 
     def _list_sync(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
         # Walk only the directory the prefix points into; sort keys as strings (S3 order).
@@ -89,7 +94,8 @@ class FileStore(Store):
                 key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix) and (start_after is None or key > start_after):
                     try:
-                        found.append(ObjectInfo(key, os.stat(os.path.join(dirpath, name)).st_size))
+                        st = os.stat(os.path.join(dirpath, name))
+                        found.append(ObjectInfo(key, st.st_size, last_modified=_mtime(st)))
                     except FileNotFoundError:  # deleted while listing
                         continue
         found.sort(key=lambda o: o.key)

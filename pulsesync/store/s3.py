@@ -148,7 +148,7 @@ class S3Store(Store):
 
         async def once(s3: Any) -> ObjectInfo:
             resp = await s3.head_object(Bucket=self.bucket, Key=self._key(key))
-            return ObjectInfo(key, int(resp["ContentLength"]), resp.get("ETag"))
+            return ObjectInfo(key, int(resp["ContentLength"]), resp.get("ETag"), resp.get("LastModified"))
 
         return await self._call("head", key, once)
 
@@ -166,7 +166,8 @@ class S3Store(Store):
 
             page = await self._call("list", prefix, list_page)
             for item in page.get("Contents", []):
-                yield ObjectInfo(item["Key"][len(self.prefix) :], int(item["Size"]), item.get("ETag"))
+                key = item["Key"][len(self.prefix) :]
+                yield ObjectInfo(key, int(item["Size"]), item.get("ETag"), item.get("LastModified"))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return

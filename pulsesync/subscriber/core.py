@@ -5,8 +5,10 @@ links back from the target); slow (nearest anchor at or below the target, then p
 cold start). Every manifest is checked against the trusted keys (and must be newer than the held
 step), every object against its SHA-256, the base digest before and the state digest after each
 patch. A failure on the fast or chain path falls back to the slow path and is counted by reason.
-New states are built off to the side (staged) and only a verified, completely applied state is
-handed to the sinks and becomes the served state.
+New states are staged: sinks only ever see a verified, completely applied state. The fast and
+chain paths patch the held state in place under an undo log (a full copy of the state would cost
+more than the patch itself) and roll it back, bit for bit, if anything fails before the sinks take
+the new state; the slow path builds its state in a separate buffer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,6 +28,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsesync import layout, metrics, signing, statecache
+from pulsesync.codec import UndoLog
 from pulsesync.config import DirectorySinkConfig, SubscriberConfig
 from pulsesync.digest import StateDigest
 from pulsesync.engines import Sink, Update, build_sinks
@@ -66,6 +70,13 @@ class _Staged:
     digest: StateDigest
     files: dict[str, bytes]
     path: str
+    undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
+
+    def rollback(self) -> None:
+        """Undo in-place patches, newest first."""
+        for log_ in reversed(self.undo):
+            log_.rollback(self.state)
+        self.undo.clear()
 
 
 @dataclass
@@ -106,7 +117,8 @@ class Subscriber:
         self.step = -1
         self.files: dict[str, bytes] = {}
         self.status = SubscriberStatus()
-        self._undelivered: _Staged | None = None  # verified, but a sink refused it: deliver again
+        self._undelivered: _Staged | None = None  # a slow-path state a sink refused: deliver again
+        self._state_lock = threading.Lock()  # held while the held state is patched in place
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -171,7 +183,11 @@ class Subscriber:
         return SyncResult(self.step, path, self.digest.root, seconds, got)
 
     async def _incremental(self, ready: Mapping[int, set[layout.Kind]], target: int) -> _Staged | None:
-        """Fast or chain path: patches from the held step to target, or None when they do not connect."""
+        """Fast or chain path: patches from the held step to target, or None when they do not connect.
+
+        Patches the held state in place, each patch under an undo log; on failure it is rolled back.
+        Returns with the state lock held: `_activate` releases it once the sinks took the state.
+        """
         assert self.state is not None and self.digest is not None
         links: list[PatchManifest] = []
         at = target
@@ -184,9 +200,15 @@ class Subscriber:
             at = link.base_step
         if at != self.step:
             return None  # the target's chain does not pass through the held step
-        work = {name: t.clone() for name, t in self.state.items()}  # staged: the served state stays as is
-        digest = await self.reader.apply_chain(work, self.digest, links[::-1])
-        return _Staged(target, work, digest, self.files, "fast" if len(links) == 1 else "chain")
+        staged = _Staged(target, self.state, self.digest, self.files, "fast" if len(links) == 1 else "chain")
+        self._state_lock.acquire()
+        try:
+            staged.digest = await self.reader.apply_chain(self.state, self.digest, links[::-1], undo=staged.undo)
+        except BaseException:
+            staged.rollback()
+            self._state_lock.release()
+            raise
+        return staged
 
     async def _slow(self, target: int) -> _Staged:
         """Slow path: the nearest anchor on the target's chain, then its patches."""
@@ -203,13 +225,19 @@ class Subscriber:
 
     async def _activate(self, staged: _Staged, persist: bool = True) -> None:
         """Hand a verified state to every sink, then serve it; a sink failure keeps the old state served."""
-        update = Update(staged.step, staged.state, staged.digest, staged.files, self.state, self.digest)
+        update = Update(staged.step, staged.state, staged.digest, staged.files, self.digest, list(staged.undo))
         try:
             for sink in self.sinks:
                 await sink.deliver(update)
-        except PulseSyncError:
-            self._undelivered = staged
+        except BaseException:
+            if staged.undo:
+                staged.rollback()  # the next sync applies the patches again
+            else:
+                self._undelivered = staged  # keep the rebuilt state: no second anchor download
             raise
+        finally:
+            if staged.state is self.state:  # patched in place: _incremental took the lock
+                self._state_lock.release()
         self._undelivered = None
         self.state, self.digest, self.step, self.files = staged.state, staged.digest, staged.step, staged.files
         self.status.step, self.status.digest = staged.step, staged.digest.root
@@ -222,7 +250,24 @@ class Subscriber:
 
     # --- in-process sink -------------------------------------------------------------------------
     def apply_to(self, module: torch.nn.Module) -> None:
-        """Overwrite a module's parameters and buffers in place with the served state, bit-exact."""
+        """Overwrite a module's parameters and buffers in place with the served state, bit-exact.
+
+        From another thread it waits for a sync that is patching the state; on the event loop's
+        thread (where waiting would deadlock) it raises EngineError instead.
+        """
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        if not self._state_lock.acquire(blocking=not on_loop):
+            raise EngineError(f"apply_to: step {self.step} is being patched; call it after sync() returns")
+        try:
+            self._copy_into(module)
+        finally:
+            self._state_lock.release()
+
+    def _copy_into(self, module: torch.nn.Module) -> None:
         if self.state is None:
             raise EngineError("apply_to: the subscriber holds no verified state yet")
         targets = dict(module.named_parameters()) | dict(module.named_buffers())

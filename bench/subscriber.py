@@ -1,0 +1,193 @@
+"""Subscriber fast path: seconds per GiB of state to apply one patch, and the speedup over a full download.
+
+A synthetic bf16 model (AdamW at an RL learning rate; see pulsesync.synthetic) publishes an anchor
+and then one patch per step into a filesystem store through the real publisher. Every read the
+subscriber makes goes through a token bucket that limits the transfer path to `--mbps` (400 Mb/s
+by default, a typical per-host share of a cloud object store), so downloads cost what they would
+over such a link. Measured in the same run:
+
+  fast_path        Subscriber.sync() one step ahead: manifest, patch download (throttled), verify,
+                   apply in place, state digest check; "excl. download" subtracts the seconds any
+                   store read was in flight
+  full_download    downloading the anchor's safetensors shards (a full checkpoint) through the
+                   same token bucket: the baseline a subscriber without patches pays every step
+
+The contracts: fast path (download excluded) <= 0.2 s per GiB of state; full_download / fast_path
+(download included) >= 50x. Every step's state is checked bitwise against the trainer's.
+
+    python bench/subscriber.py                          # 0.8 GiB of state
+    python bench/subscriber.py --quick --json out.json  # 0.15 GiB, < 60 s: the automation contract
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pulsesync import signing
+from pulsesync.config import PublisherConfig, SubscriberConfig
+from pulsesync.manifest import AnchorManifest
+from pulsesync.publisher import Publisher
+from pulsesync.store import FileStore, ObjectInfo, ProgressCallback, TransferResult
+from pulsesync.subscriber import Subscriber
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+
+
+class TokenBucket:
+    """Bytes may pass at `rate` per second on average, in bursts of at most `burst` bytes."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.updated = float(burst), time.perf_counter()
+        self.enabled = True
+
+    async def take(self, n: int) -> None:
+        """Wait until n bytes' worth of tokens have accumulated, then spend them."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate) - n
+        self.updated = now
+        if self.tokens < 0:  # in debt: the bytes finish arriving once the debt is paid
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+class ThrottledStore(FileStore):
+    """A FileStore whose reads pass a token bucket, and which counts the seconds reads are in flight."""
+
+    def __init__(self, root: Path, bucket: TokenBucket) -> None:
+        super().__init__(root)
+        self.bucket = bucket
+        self.read_seconds = 0.0
+
+    async def get(self, key: str) -> bytes:
+        t0 = time.perf_counter()
+        data = await super().get(key)
+        await self.bucket.take(len(data))
+        self.read_seconds += time.perf_counter() - t0
+        return data
+
+    async def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+        t0 = time.perf_counter()
+        infos = [info async for info in super().list(prefix, start_after)]
+        self.read_seconds += time.perf_counter() - t0
+        for info in infos:
+            yield info
+
+    async def download_file(
+        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+    ) -> TransferResult:
+        t0 = time.perf_counter()
+        done = await super().download_file(key, path, progress, expected_sha256)
+        await self.bucket.take(done.size)
+        self.read_seconds += time.perf_counter() - t0
+        return done
+
+
+def publish(root: Path, key: Ed25519PrivateKey, hidden: int, layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Publish anchor 0 and patches 1..steps; returns the trainer's states."""
+    trainer = SyntheticTrainer(llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=1e-6, seed=0)
+    for _ in range(12):  # past AdamW's unusually dense first updates
+        trainer.step()
+    states = []
+    config = PublisherConfig(anchor_interval=10**6, on_backpressure="block")
+    with Publisher(config, store=FileStore(root), signing_key=key) as publisher:
+        for step in range(steps + 1):
+            if step:
+                trainer.step()
+            states.append(trainer.state())
+            publisher.publish(step, states[-1])
+        publisher.flush()
+    return states
+
+
+async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, torch.Tensor]], mbps: float) -> dict:
+    bucket = TokenBucket(mbps * 1e6 / 8, burst=64 << 10)
+    store = ThrottledStore(root, bucket)
+    sub = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([key.public_key()]))
+    bucket.enabled = False
+    await sub.sync(0)  # cold start (slow path), not measured: no need to wait for its download
+    bucket.enabled = True
+    fast, fast_excl, patch_bytes = [], [], []
+    for step in range(1, len(states)):
+        read_before = store.read_seconds
+        result = await sub.sync(step)
+        assert result.path == "fast", result
+        assert sub.state is not None
+        for name, t in states[step].items():
+            assert torch.equal(sub.state[name].view(torch.int16), t.view(torch.int16)), (step, name)
+        fast.append(result.seconds)
+        fast_excl.append(result.seconds - (store.read_seconds - read_before))
+        patch_bytes.append(result.bytes_downloaded)
+    anchor = await sub.reader.manifest(0, "anchor")
+    assert isinstance(anchor, AnchorManifest)
+    shards = [ref for ref in anchor.objects if ref.key.endswith(".safetensors")]
+    with tempfile.TemporaryDirectory(prefix="pulsesync-bench-full-") as spool:
+        t0 = time.perf_counter()
+        for ref in shards:
+            await store.download_file(ref.key, Path(spool) / "shard", expected_sha256=ref.sha256)
+        full_s = time.perf_counter() - t0
+    gib = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**30
+    fast_s, fast_excl_s = statistics.median(fast), statistics.median(fast_excl)
+    return {
+        "state_gib": gib,
+        "steps": len(fast),
+        "mbps": mbps,
+        "patch_bytes": statistics.median(patch_bytes),
+        "full_bytes": sum(ref.size for ref in shards),
+        "fast_path_s": fast_s,
+        "fast_path_excl_download_s": fast_excl_s,
+        "fast_path_s_per_gib": fast_excl_s / gib,
+        "full_download_s": full_s,
+        # Named for the contract's link speed; with --mbps it is the speedup at that speed.
+        "speedup_vs_full_400mbps": full_s / fast_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="0.15 GiB of state, 4 steps")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--hidden", type=int, help="model width (default 1536; quick 768)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
+    parser.add_argument("--steps", type=int, help="fast-path steps measured (default 8; quick 4)")
+    parser.add_argument("--mbps", type=float, default=400.0, help="link speed in megabits per second")
+    args = parser.parse_args()
+    hidden = args.hidden or (768 if args.quick else 1536)
+    layers = args.layers or (4 if args.quick else 8)
+    steps = args.steps or (4 if args.quick else 8)
+    key = Ed25519PrivateKey.generate()
+    with tempfile.TemporaryDirectory(prefix="pulsesync-bench-") as tmp:
+        states = publish(Path(tmp), key, hidden, layers, steps)
+        r = asyncio.run(measure(Path(tmp), key, states, args.mbps))
+    speedup = r["speedup_vs_full_400mbps"]
+    print(f"{r['state_gib']:.2f} GiB of bf16 state, {r['steps']} fast-path steps, link {args.mbps:g} Mb/s")
+    print(f"{'measure':<36} {'seconds':>9} {'s/GiB':>7} {'MB':>9}")
+    full = f"{r['full_download_s']:>9.3f} {'':>7} {r['full_bytes'] / 1e6:>9.1f}"
+    print(f"{'full checkpoint download (baseline)':<36} {full}")
+    print(f"{'fast path, download included':<36} {r['fast_path_s']:>9.3f} {'':>7} {r['patch_bytes'] / 1e6:>9.2f}")
+    print(
+        f"{'fast path, download excluded':<36} {r['fast_path_excl_download_s']:>9.3f} "
+        f"{r['fast_path_s_per_gib']:>7.3f} {'':>9}"
+    )
+    print(
+        f"fast path {r['fast_path_s_per_gib']:.3f} s/GiB (contract <= 0.2); "
+        f"{speedup:.0f}x faster than a full download (contract >= 50x)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()

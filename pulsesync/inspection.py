@@ -1,0 +1,140 @@
+"""`pulsesync inspect`: the chain in a store, one row per ready marker, as a table or JSON.
+
+With trusted keys every manifest is verified and a row says whether it passed; without, manifests
+are only parsed (the table shows the chain's shape, not that it is authentic).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulsesync import layout
+from pulsesync.errors import PulseSyncError
+from pulsesync.manifest import AnchorManifest, PatchManifest, parse_manifest, verify_manifest
+from pulsesync.store import Store
+
+
+@dataclass
+class ChainRow:
+    """One ready marker."""
+
+    step: int
+    kind: str
+    base_step: int | None
+    chains_from: int | None  # the anchor a patch's chain starts at (walking base_step links)
+    wire_bytes: int
+    dense_bytes: int
+    changed_elements: int
+    ratio: float  # dense bytes / wire bytes
+    signer: str
+    verified: bool | None  # None: no trusted keys given
+    age_seconds: float
+    error: str | None = None
+
+
+async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> list[ChainRow]:
+    """Every ready marker in the store, in step order."""
+    now = dt.datetime.now(dt.timezone.utc)
+    manifests: dict[tuple[int, str], PatchManifest | AnchorManifest] = {}
+    rows: list[ChainRow] = []
+    async for info in store.list("ready/"):
+        entry = layout.parse_ready_key(info.key)
+        if entry is None:
+            continue
+        name = f"{store.url}{info.key}"
+        data = await store.get(info.key)
+        verified: bool | None = None
+        error = None
+        try:
+            manifest = parse_manifest(data, name)
+            if trusted:
+                try:
+                    verify_manifest(data, trusted, name=name)
+                    verified = True
+                except PulseSyncError as e:
+                    verified, error = False, f"{type(e).__name__}: {e}"
+        except PulseSyncError as e:
+            rows.append(ChainRow(entry.step, entry.kind, None, None, 0, 0, 0, 0.0, "", False, 0.0, str(e)))
+            continue
+        manifests[(entry.step, entry.kind)] = manifest
+        created = dt.datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00"))
+        sizes = manifest.sizes
+        base = manifest.base_step if isinstance(manifest, PatchManifest) else None
+        rows.append(
+            ChainRow(
+                step=entry.step,
+                kind=entry.kind,
+                base_step=base,
+                chains_from=None,
+                wire_bytes=sizes.wire_bytes,
+                dense_bytes=sizes.dense_bytes,
+                changed_elements=sizes.changed_elements,
+                ratio=sizes.dense_bytes / sizes.wire_bytes if sizes.wire_bytes else 0.0,
+                signer=manifest.key_id,
+                verified=verified,
+                age_seconds=max((now - created).total_seconds(), 0.0),
+                error=error,
+            )
+        )
+    for row in rows:
+        if row.kind == "patch":
+            row.chains_from = _chain_anchor(row.step, manifests)
+    return rows
+
+
+def _chain_anchor(step: int, manifests: Mapping[tuple[int, str], PatchManifest | AnchorManifest]) -> int | None:
+    """The anchor step a patch's chain reaches, or None if a link is missing."""
+    link = manifests.get((step, "patch"))
+    at = link.base_step if isinstance(link, PatchManifest) else None
+    while at is not None:
+        if (at, "anchor") in manifests:
+            return at
+        link = manifests.get((at, "patch"))
+        at = link.base_step if isinstance(link, PatchManifest) else None
+    return None
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def format_table(rows: list[ChainRow]) -> str:
+    """A fixed-width table with a totals line."""
+    header = (
+        f"{'step':>8} {'kind':<6} {'from':>6} {'chain':>6} {'wire bytes':>14} {'changed':>12} {'ratio':>8} "
+        f"{'signer':<17} {'age':>7}"
+    )
+    lines = [header]
+    for r in rows:
+        if not r.signer:  # the manifest did not parse
+            lines.append(f"{r.step:>8} {r.kind:<6} unreadable: {r.error}")
+            continue
+        signer = r.signer[:16] + ("" if r.verified is None else " ok" if r.verified else " BAD")
+        base = "-" if r.base_step is None else str(r.base_step)
+        chain = "-" if r.kind == "anchor" else "broken" if r.chains_from is None else str(r.chains_from)
+        lines.append(
+            f"{r.step:>8} {r.kind:<6} {base:>6} {chain:>6} {r.wire_bytes:>14,} {r.changed_elements:>12,} "
+            f"{r.ratio:>7.0f}x {signer:<17} {_age(r.age_seconds):>7}"
+        )
+        if r.error:
+            lines.append(f"{'':>8} {r.error}")
+    patches = [r for r in rows if r.kind == "patch"]
+    anchors = [r for r in rows if r.kind == "anchor"]
+    total = sum(r.wire_bytes for r in rows)
+    lines.append(
+        f"{len(patches)} patches ({sum(r.wire_bytes for r in patches):,} bytes), {len(anchors)} anchors "
+        f"({sum(r.wire_bytes for r in anchors):,} bytes); {total:,} bytes in all"
+    )
+    return "\n".join(lines)
+
+
+def rows_as_json(rows: list[ChainRow]) -> list[dict[str, object]]:
+    """Rows as plain dicts."""
+    return [asdict(r) for r in rows]

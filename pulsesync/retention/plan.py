@@ -1,0 +1,181 @@
+"""Retention planning (pure): from what a store holds to what to delete, without breaking any kept chain.
+
+Kept: the newest `keep_patches` patches and `keep_anchors` anchors, the newest ready step, and for
+every kept patch each patch and the anchor on its chain (walking base_step links back to the first
+step that has an anchor, which may be the patch's own step), so every kept ready step still
+reconstructs from the store.
+
+Deleting is two-phase. A removed ready marker first becomes a tombstone (`retention/...json`,
+listing its payload objects and when it was removed); the payload goes `grace_seconds` later, so
+a reader that saw the marker can finish its download. Payload objects no marker or tombstone
+names (a publish that failed before its marker, a losing publisher's copy) are deleted only in
+step folders older than every kept step and once they are `grace_seconds` old: a publish still
+uploading (an anchor in the background) is always newer than that.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pulsesync import layout
+from pulsesync.config import RetentionPolicy
+from pulsesync.store import ObjectInfo
+
+Entry = tuple[int, layout.Kind]  # (step, kind) of a ready marker
+
+
+@dataclass(frozen=True)
+class Published:
+    """A ready marker as retention sees it: its chain link and the payload objects its manifest lists."""
+
+    step: int
+    kind: layout.Kind
+    base_step: int | None  # patches only
+    objects: tuple[tuple[str, int], ...]  # (key, size)
+    marker_size: int = 0
+
+    @property
+    def entry(self) -> Entry:
+        """(step, kind)."""
+        return (self.step, self.kind)
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """A ready marker retention removed; its payload objects are deleted once the grace period is over."""
+
+    step: int
+    kind: layout.Kind
+    objects: tuple[tuple[str, int], ...]
+    removed_at: dt.datetime
+
+    @property
+    def key(self) -> str:
+        """Where the tombstone is stored."""
+        return layout.tombstone_key(self.step, self.kind)
+
+    def to_bytes(self) -> bytes:
+        """JSON form."""
+        return json.dumps(
+            {
+                "step": self.step,
+                "kind": self.kind,
+                "objects": [[k, s] for k, s in self.objects],
+                "removed_at": self.removed_at.isoformat(),
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Tombstone:
+        """Parse the JSON form (ValueError/KeyError/TypeError if malformed)."""
+        raw = json.loads(data)
+        kind = raw["kind"]
+        if kind not in ("patch", "anchor"):
+            raise ValueError(f"unknown kind {kind!r}")
+        objects = tuple((str(k), int(s)) for k, s in raw["objects"])
+        return cls(int(raw["step"]), kind, objects, dt.datetime.fromisoformat(raw["removed_at"]))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What retention knows about a store at one moment."""
+
+    published: Mapping[Entry, Published]
+    tombstones: Sequence[Tombstone]
+    payloads: Sequence[ObjectInfo]  # every object under patches/ and anchors/
+    now: dt.datetime
+
+
+@dataclass
+class Plan:
+    """What one retention run does, in order: unmark, then purge tombstones that are due, then orphans."""
+
+    keep: list[Entry]
+    unmark: list[Published] = field(default_factory=list)
+    purge: list[Tombstone] = field(default_factory=list)
+    orphans: list[ObjectInfo] = field(default_factory=list)
+
+    @property
+    def deleted_objects(self) -> int:
+        """Objects this plan deletes (markers, payloads, tombstones)."""
+        return len(self.unmark) + sum(len(t.objects) + 1 for t in self.purge) + len(self.orphans)
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes of markers and payload objects this plan deletes."""
+        markers = sum(p.marker_size for p in self.unmark)
+        return markers + sum(s for t in self.purge for _, s in t.objects) + sum(o.size for o in self.orphans)
+
+    def lines(self) -> list[str]:
+        """The exact plan, one action per line (what --dry-run prints)."""
+        out = [f"remove ready marker {layout.ready_key(p.step, p.kind)}" for p in self.unmark]
+        for t in self.purge:
+            out += [f"delete {key} ({size} bytes)" for key, size in t.objects]
+            out.append(f"delete {t.key}")
+        out += [f"delete unreferenced {o.key} ({o.size} bytes)" for o in self.orphans]
+        return out
+
+    def summary(self) -> str:
+        """One line: counts and bytes."""
+        return (
+            f"kept {len(self.keep)} ready markers; removed {len(self.unmark)} markers; deleted "
+            f"{self.deleted_objects} objects, {self.freed_bytes:,} bytes"
+        )
+
+
+def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) -> set[Entry]:
+    """The ready markers the policy keeps; every kept step reconstructs from the kept set alone."""
+    if not published:
+        return set()
+    keep: set[Entry] = set()
+
+    def keep_patch_chain(step: int) -> None:
+        keep.add((step, "patch"))
+        # A step with its own anchor rebuilds from it (readers prefer it): no chain below is needed.
+        at: int | None = step if (step, "anchor") in published else published[(step, "patch")].base_step
+        while at is not None:
+            if (at, "anchor") in published:
+                keep.add((at, "anchor"))
+                return
+            link = published.get((at, "patch"))
+            if link is None:
+                return  # already broken before this run: nothing here can mend it
+            keep.add((at, "patch"))
+            at = link.base_step
+
+    patches = sorted(s for s, k in published if k == "patch")
+    anchors = sorted(s for s, k in published if k == "anchor")
+    for step in patches[max(0, len(patches) - policy.keep_patches) :]:
+        keep_patch_chain(step)
+    keep.update((s, "anchor") for s in anchors[max(0, len(anchors) - policy.keep_anchors) :])
+    newest = max(s for s, _ in published)
+    if (newest, "anchor") in published:
+        keep.add((newest, "anchor"))
+    if (newest, "patch") in published:
+        keep_patch_chain(newest)
+    return keep
+
+
+def plan(snapshot: Snapshot, policy: RetentionPolicy) -> Plan:
+    """The deletion plan for a snapshot under a policy."""
+    keep = kept_entries(snapshot.published, policy)
+    result = Plan(sorted(keep))
+    result.unmark = [p for e, p in sorted(snapshot.published.items()) if e not in keep]
+    grace = dt.timedelta(seconds=policy.grace_seconds)
+    due = [t for t in snapshot.tombstones if snapshot.now - t.removed_at >= grace]
+    if policy.grace_seconds == 0:  # markers removed in this run are due at once
+        due += [Tombstone(p.step, p.kind, p.objects, snapshot.now) for p in result.unmark]
+    result.purge = sorted(due, key=lambda t: (t.step, t.kind))
+    named = {key for p in snapshot.published.values() for key, _ in p.objects}
+    named |= {key for t in snapshot.tombstones for key, _ in t.objects}
+    oldest_kept = min((s for s, _ in keep), default=None)
+    for info in snapshot.payloads:
+        step = layout.step_of_payload(info.key)
+        if info.key in named or step is None or oldest_kept is None or step >= oldest_kept:
+            continue
+        if info.last_modified is not None and snapshot.now - info.last_modified >= grace:
+            result.orphans.append(info)
+    return result
