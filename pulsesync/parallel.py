@@ -46,9 +46,20 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None =
         return iter(list(pool.map(fn, items)))
 
 
-def submit(fn: Callable[..., R], *args: Any) -> Future[R]:
-    """Run fn(*args) on the shared pool (same rule as parallel_map: fn must not wait on the pool)."""
-    return _shared_pool().submit(fn, *args)
+_side_pool: ThreadPoolExecutor | None = None
+
+
+def submit_beside(fn: Callable[..., R], *args: Any) -> Future[R]:
+    """Run fn(*args) on a pool of (CPUs - 1) threads, leaving a core to the caller's own loop.
+
+    For work that overlaps a single-threaded caller (hashing tensors while records decode): on
+    2 cores, a second hashing thread only steals the decoder's core.
+    """
+    global _side_pool
+    with _lock:
+        if _side_pool is None:
+            _side_pool = ThreadPoolExecutor(max(1, default_threads() - 1), thread_name_prefix="pulsesync-side")
+    return _side_pool.submit(fn, *args)
 
 
 async def in_thread_to_completion(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:

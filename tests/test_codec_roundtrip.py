@@ -10,8 +10,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, encode_patch, read_header
+from pulsesync.codec import (
+    CodecParams,
+    PatchDecoder,
+    RecordKind,
+    UndoLog,
+    apply_patch,
+    bits,
+    encode_patch,
+    fused,
+    read_header,
+)
 from pulsesync.digest import state_digest
+from pulsesync.errors import CorruptPatchError
 from pulsesync.tensors import DTYPES, dtype_info, flat_bits
 from tests.helpers import assert_bits_equal, assert_states_equal, clone_state, mutate, random_bits, state_pairs
 
@@ -169,3 +180,56 @@ def test_tensor_larger_than_2_pow_31_elements() -> None:
     work = base  # patched in place: base is not needed any more
     apply_patch(work, patch, verify=False)
     assert torch.equal(work["huge"], new["huge"])
+
+
+@pytest.mark.skipif(fused.apply_delta_2byte is None, reason="numba is not installed")
+@settings(max_examples=60)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    density=st.sampled_from([0.0005, 0.01, 0.3, 1.0]),
+    mode=st.sampled_from(["fused", "no-kernel"]),
+)
+def test_fused_kernel_matches_the_numpy_path_bit_for_bit(seed: int, density: float, mode: str) -> None:
+    rng = np.random.default_rng(seed)
+    base = {
+        "bf16": random_bits(rng, dtype_info(torch.bfloat16), (5000,)),
+        "f16": random_bits(rng, dtype_info(torch.float16), (70, 30)),
+    }
+    new = {n: mutate(rng, t, density) for n, t in base.items()}
+    patch = encode_patch(base, new, CodecParams(chunk_elements=1024))
+    results = []
+    for enabled in (True, False):
+        fused.enabled = enabled
+        original = fused.apply_delta_2byte
+        if mode == "no-kernel" and enabled:  # records left packed, decoded by numpy at apply
+            fused.apply_delta_2byte = None
+        try:
+            work, undo = clone_state(base), UndoLog()
+            apply_patch(work, patch, undo=undo)
+        finally:
+            fused.enabled, fused.apply_delta_2byte = True, original
+        assert_states_equal(work, new)
+        results.append(undo.changed())
+        undo.rollback(work)
+        assert_states_equal(work, base)
+    fused_changes, numpy_changes = results
+    assert fused_changes.keys() == numpy_changes.keys()
+    for name, positions in fused_changes.items():
+        other = numpy_changes[name]
+        assert (positions is None and other is None) or (
+            positions is not None and other is not None and torch.equal(positions, other)
+        )
+
+
+def test_escape_count_is_checked_the_same_on_both_paths() -> None:
+    values = np.array([1, 2, 3, 400, 5, 1], np.uint16)  # zigzagged; 400 and 5 (>= offset 1 + 3) escape
+    packed, escapes = bits.pack_small(values, 1)
+    bits.check_escape_count(packed, values.size, escapes.size, "r")
+    for wrong in (escapes.size - 1, escapes.size + 1):
+        with pytest.raises(CorruptPatchError, match="escaped value count does not match"):
+            bits.check_escape_count(packed, values.size, wrong, "r")
+    with pytest.raises(CorruptPatchError, match="escaped value count does not match"):
+        bits.unpack_small_deltas(packed, values.size, escapes[:-1], 1, "r")
+    assert np.array_equal(
+        bits.unpack_small_deltas(packed, values.size, escapes, 1, "r"), bits.unzigzag(values, np.int16)
+    )

@@ -175,6 +175,17 @@ def unpack_small(packed: np.ndarray, count: int, escapes: np.ndarray, offset: in
     return sym
 
 
+_ESCAPES_IN_BYTE = (_CODES_OF_BYTE == SMALL_ESCAPE).sum(axis=1).astype(np.int64)
+
+
+def check_escape_count(packed: np.ndarray, count: int, escapes: int, where: str) -> None:
+    """CorruptPatchError unless the first `count` codes hold exactly `escapes` escape codes."""
+    found = int(_ESCAPES_IN_BYTE[packed[: count // 4]].sum())
+    found += int(np.count_nonzero(_CODES_OF_BYTE[packed[count // 4 :]].reshape(-1)[: count % 4] == SMALL_ESCAPE))
+    if found != escapes:
+        raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
+
+
 def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, offset: int, where: str) -> np.ndarray:
     """unzigzag(unpack_small(...)) as signed values; one table lookup when offset is 1 (sparse records)."""
     signed = _SIGNED[escapes.itemsize]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import zstandard
 
-from pulsesync.codec import bits
+from pulsesync.codec import bits, fused
 from pulsesync.codec.format import (
     PatchHeader,
     RecordHeader,
@@ -29,7 +29,7 @@ from pulsesync.codec.format import (
 )
 from pulsesync.digest import DigestAlgorithm, StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
 from pulsesync.errors import CorruptPatchError, IntegrityError
-from pulsesync.parallel import parallel_map, submit
+from pulsesync.parallel import parallel_map, submit_beside
 from pulsesync.tensors import describe
 
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -93,6 +93,9 @@ class PatchRecord:
     header: RecordHeader
     positions: np.ndarray | None  # SPARSE only: int64 positions in [0, header.length)
     values: np.ndarray | None  # coded values (SPARSE/DENSE) or raw bits (ADD/REPLACE)
+    # SPARSE delta records of 2-byte floats: the packed value codes and escapes, left for the
+    # fused kernel (values is None; they are decoded here only for a target off the CPU).
+    packed: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def name(self) -> str:
@@ -118,14 +121,25 @@ class PatchRecord:
                 tensor = torch.from_numpy(self.values).view(h.info.torch_dtype).reshape(h.shape)
                 state[h.name] = tensor.to(target)
         else:
-            assert self.values is not None
             tensor = state[h.name]
             if not tensor.is_contiguous():
                 if undo is not None:
                     undo.tensors.append((h.name, tensor))
                 state[h.name] = tensor = tensor.contiguous()
             chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
-            coded = torch.from_numpy(self.values).to(chunk.device)
+            coded_values = self.values
+            if self.packed is not None:
+                assert self.positions is not None
+                if chunk.device.type == "cpu" and fused.apply_delta_2byte is not None:
+                    old = np.empty(self.positions.size, np.int16)
+                    fused.apply_delta_2byte(chunk.detach().numpy(), self.positions, *self.packed, old)
+                    if undo is not None:
+                        index = torch.from_numpy(self.positions)
+                        undo.chunks.append((h.name, h.start, h.length, index, torch.from_numpy(old)))
+                    return
+                coded_values = bits.unpack_small_deltas(self.packed[0], self.positions.size, self.packed[1], 1, h.name)
+            assert coded_values is not None
+            coded = torch.from_numpy(coded_values).to(chunk.device)
             if h.kind == RecordKind.DENSE:
                 if undo is not None:
                     undo.chunks.append((h.name, h.start, h.length, None, chunk.clone()))
@@ -191,7 +205,13 @@ def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
     gaps = bits.from_planes(buf[:gaps_end], n, np.uint16)
     escapes = buf[gaps_end:escapes_end].view("<u8")
     positions = bits.decode_positions(gaps, escapes, h.length, where)
-    return PatchRecord(h, positions, _decode_value_stream(buf[escapes_end:], h, n, 1, where))
+    values = buf[escapes_end:]
+    if fused.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
+        packed_len = (n + 3) // 4
+        escaped = bits.from_planes(values[packed_len:], h.value_escapes, np.uint16)
+        bits.check_escape_count(values[:packed_len], n, escaped.size, where)
+        return PatchRecord(h, positions, None, (values[:packed_len], escaped))
+    return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where))
 
 
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
@@ -322,7 +342,7 @@ def apply_patch(
 
     `base_digest` is the digest of `state` if already known (else it is computed); it must equal
     the patch's base digest. With `verify`, the result's digest must equal the patch's state digest:
-    each tensor is re-hashed on the shared pool as soon as its last record is applied (overlapping
+    each tensor is re-hashed on another core as soon as its last record is applied (overlapping
     the decode of the next ones), and tensors the patch does not touch keep their base digest.
     On any error `state` may be partially patched: pass an `undo` log and roll it back, or apply
     to a working copy and discard it. Records decode on one thread by default: their many small
@@ -358,7 +378,7 @@ def apply_patch(
 
     def rehash(name: str) -> None:
         if verify and name in state:
-            rehashed[name] = submit(tensor_digest, state[name], algorithm)
+            rehashed[name] = submit_beside(tensor_digest, state[name], algorithm)
 
     device = _state_device(state)
     whole: list[PatchRecord] = []
