@@ -31,6 +31,27 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(Config, args.config, {"store.url": args.store, "store.endpoint_url": args.endpoint_url})
 
 
+def _stop_on_signals() -> Any:
+    """An asyncio.Event that SIGTERM and SIGINT set: daemons finish their current work and exit 0."""
+    import asyncio
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _subscriber_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """A SubscriberConfig from --config, the common flags, `overrides` and --trusted-key (added to the file's)."""
+    from pulsesync.config import SubscriberConfig
+
+    flags = {"store.url": args.store, "store.endpoint_url": args.endpoint_url} | overrides
+    config = load_config(SubscriberConfig, args.config, flags)
+    if args.trusted_key:
+        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
+    return config
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from pulsesync.signing import write_keypair
 
@@ -86,9 +107,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     else:
 
         async def until_signal() -> list[StepReport]:
-            stop = asyncio.Event()  # SIGTERM/SIGINT: publish what is complete, flush, exit 0
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            stop = _stop_on_signals()  # publish what is complete, flush, exit 0
             if args.synthetic:
                 return await publish_synthetic(config, args.interval, args.max_steps, stop)
             return await watch(config, args.watch, once=args.once, stop=stop)
@@ -102,23 +121,11 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_subscribe(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pulsesync.config import SubscriberConfig
     from pulsesync.subscriber import Subscriber
 
-    config = load_config(
-        SubscriberConfig,
-        args.config,
-        {
-            "store.url": args.store,
-            "store.endpoint_url": args.endpoint_url,
-            "cache_dir": args.cache_dir,
-            "out_dir": args.out_dir,
-            "step": args.step,
-            "metrics_port": args.metrics_port,
-        },
+    config = _subscriber_config(
+        args, cache_dir=args.cache_dir, out_dir=args.out_dir, step=args.step, metrics_port=args.metrics_port
     )
-    if args.trusted_key:
-        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
     logging.getLogger("pulsesync.subscriber").setLevel(logging.INFO)  # one line per served step
 
     async def run() -> None:
@@ -128,27 +135,12 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
                 await subscriber.start()
                 print((await subscriber.sync_with_retries(config.once_attempts)).to_json())
                 return
-            stop = asyncio.Event()  # SIGTERM/SIGINT: finish the sync in progress, exit 0
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            await subscriber.run(stop)
+            await subscriber.run(_stop_on_signals())  # finishes the sync in progress
         finally:
             await subscriber.close()
 
     asyncio.run(run())
     return 0
-
-
-def _reader_config(args: argparse.Namespace) -> Any:
-    """A SubscriberConfig (for its trusted keys) from --config, the common flags and --trusted-key."""
-    from pulsesync.config import SubscriberConfig
-
-    config = load_config(
-        SubscriberConfig, args.config, {"store.url": args.store, "store.endpoint_url": args.endpoint_url}
-    )
-    if args.trusted_key:
-        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
-    return config
 
 
 def _cmd_retain(args: argparse.Namespace) -> int:
@@ -181,10 +173,7 @@ def _cmd_retain(args: argparse.Namespace) -> int:
                     print("\n".join(plan.lines()) or "nothing to delete")
                 print(("would have: " if config.dry_run else "") + plan.summary())
                 return
-            stop = asyncio.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            await worker.run(stop)
+            await worker.run(_stop_on_signals())
 
     asyncio.run(run())
     return 0
@@ -198,7 +187,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from pulsesync.inspection import chain_rows, format_table, rows_as_json
     from pulsesync.store import open_store
 
-    config = _reader_config(args)
+    config = _subscriber_config(args)
     trusted = signing.trusted_keys(config.trusted_keys) if config.trusted_keys else None
 
     async def run() -> None:
@@ -219,7 +208,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from pulsesync.reader import ChainReader
     from pulsesync.store import open_store
 
-    config = _reader_config(args)
+    config = _subscriber_config(args)
     if not config.trusted_keys:
         raise ConfigError("trusted_keys: verify needs at least one trusted public key (--trusted-key)")
 

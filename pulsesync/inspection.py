@@ -61,7 +61,6 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
             rows.append(ChainRow(entry.step, entry.kind, None, None, 0, 0, 0, 0.0, "", False, 0.0, str(e)))
             continue
         manifests[(entry.step, entry.kind)] = manifest
-        created = dt.datetime.fromisoformat(manifest.created_at.replace("Z", "+00:00"))
         sizes = manifest.sizes
         base = manifest.base_step if isinstance(manifest, PatchManifest) else None
         rows.append(
@@ -76,26 +75,16 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
                 ratio=sizes.dense_bytes / sizes.wire_bytes if sizes.wire_bytes else 0.0,
                 signer=manifest.key_id,
                 verified=verified,
-                age_seconds=max((now - created).total_seconds(), 0.0),
+                age_seconds=max((now - manifest.created).total_seconds(), 0.0),
                 error=error,
             )
         )
+    anchors = {step for step, kind in manifests if kind == "anchor"}
+    bases = {step: m.base_step for (step, _), m in manifests.items() if isinstance(m, PatchManifest)}
     for row in rows:
-        if row.kind == "patch":
-            row.chains_from = _chain_anchor(row.step, manifests)
+        if row.kind == "patch" and row.step in bases:  # not an unreadable manifest
+            row.chains_from = layout.walk_to_anchor(bases[row.step], anchors, bases)[1]
     return rows
-
-
-def _chain_anchor(step: int, manifests: Mapping[tuple[int, str], PatchManifest | AnchorManifest]) -> int | None:
-    """The anchor step a patch's chain reaches, or None if a link is missing."""
-    link = manifests.get((step, "patch"))
-    at = link.base_step if isinstance(link, PatchManifest) else None
-    while at is not None:
-        if (at, "anchor") in manifests:
-            return at
-        link = manifests.get((at, "patch"))
-        at = link.base_step if isinstance(link, PatchManifest) else None
-    return None
 
 
 def _age(seconds: float) -> str:

@@ -1,4 +1,4 @@
-"""Key names in the store (pure): the protocol's prefixes, zero-padded so listing order is step order.
+"""Key names in the store and the chain they form (pure): zero-padded, so listing order is step order.
 
 {prefix}/patches/{step:012d}/...        patch payload object(s)
 {prefix}/anchors/{step:012d}/...        anchor shards, index, config files
@@ -14,6 +14,7 @@ and the ready marker, written last with put-if-absent, decides which object set 
 from __future__ import annotations
 
 import re
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -103,3 +104,19 @@ TOMBSTONE_PREFIX = "retention/"
 def tombstone_key(step: int, kind: Kind) -> str:
     """Key of the record retention keeps of a removed ready marker until its payload is deleted."""
     return f"{TOMBSTONE_PREFIX}{step_name(step)}.{kind}.json"
+
+
+def walk_to_anchor(at: int, anchors: Container[int], bases: Mapping[int, int]) -> tuple[list[int], int | None]:
+    """Follow base_step links from step `at` to the first step with an anchor.
+
+    `bases` maps each patch's step to its base_step. Returns the patch steps passed through (from
+    `at` down) and the anchor step reached, or None for the anchor when a link is missing.
+    """
+    patches: list[int] = []
+    while at not in anchors:
+        base = bases.get(at)
+        if base is None:
+            return patches, None
+        patches.append(at)
+        at = base
+    return patches, at

@@ -34,6 +34,10 @@ def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def _parse_time(rfc3339: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00"))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -90,10 +94,15 @@ class _ManifestBase(_Strict):
     @classmethod
     def _rfc3339(cls, v: str) -> str:
         try:
-            dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
+            _parse_time(v)
         except ValueError:
             raise ValueError(f"created_at {v!r} is not an RFC 3339 timestamp") from None
         return v
+
+    @property
+    def created(self) -> dt.datetime:
+        """created_at as an aware datetime."""
+        return _parse_time(self.created_at)
 
     @field_validator("objects")
     @classmethod

@@ -8,6 +8,7 @@ publisher (resume), the subscriber and `pulsesync verify`.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import tempfile
 from collections.abc import Mapping
@@ -49,7 +50,7 @@ class ChainReader:
     threads: int = 1
     bytes_downloaded: int = 0
     manifests_verified: int = 0
-    published_at: dict[int, str] = field(default_factory=dict)  # created_at of each manifest read
+    published_at: dict[int, dt.datetime] = field(default_factory=dict)  # creation time of each manifest read
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
 
@@ -81,7 +82,7 @@ class ChainReader:
         if manifest.step != step or manifest.kind != kind:
             raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
         self.manifests_verified += 1
-        self.published_at[step] = manifest.created_at
+        self.published_at[step] = manifest.created
         return manifest
 
     async def fetch(self, ref: ObjectRef) -> bytes:

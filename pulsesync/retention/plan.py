@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pulsesync import layout
 from pulsesync.config import RetentionPolicy
+from pulsesync.layout import walk_to_anchor
 from pulsesync.store import ObjectInfo
 
 Entry = tuple[int, layout.Kind]  # (step, kind) of a ready marker
@@ -132,22 +133,19 @@ def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) 
         return set()
     keep: set[Entry] = set()
 
+    anchor_steps = {s for s, k in published if k == "anchor"}
+    bases = {s: p.base_step for (s, k), p in published.items() if k == "patch" and p.base_step is not None}
+
     def keep_patch_chain(step: int) -> None:
         keep.add((step, "patch"))
         # A step with its own anchor rebuilds from it (readers prefer it): no chain below is needed.
-        at: int | None = step if (step, "anchor") in published else published[(step, "patch")].base_step
-        while at is not None:
-            if (at, "anchor") in published:
-                keep.add((at, "anchor"))
-                return
-            link = published.get((at, "patch"))
-            if link is None:
-                return  # already broken before this run: nothing here can mend it
-            keep.add((at, "patch"))
-            at = link.base_step
+        links, anchor = walk_to_anchor(step if step in anchor_steps else bases[step], anchor_steps, bases)
+        keep.update((s, "patch") for s in links)
+        if anchor is not None:  # None: broken before this run; nothing here can mend it
+            keep.add((anchor, "anchor"))
 
-    patches = sorted(s for s, k in published if k == "patch")
-    anchors = sorted(s for s, k in published if k == "anchor")
+    patches = sorted(bases)
+    anchors = sorted(anchor_steps)
     for step in patches[max(0, len(patches) - policy.keep_patches) :]:
         keep_patch_chain(step)
     keep.update((s, "anchor") for s in anchors[max(0, len(anchors) - policy.keep_anchors) :])

@@ -174,7 +174,7 @@ class Subscriber:
         metrics.BYTES_DOWNLOADED.inc(got)
         metrics.LAG_STEPS.set(newest - self.step)
         if staged is not None and (published := self.reader.published_at.get(self.step)):
-            age = dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(published.replace("Z", "+00:00"))
+            age = dt.datetime.now(dt.timezone.utc) - published
             metrics.LAG_SECONDS.set(max(age.total_seconds(), 0.0))
         if staged is not None:
             metrics.SYNC_SECONDS.labels(path).observe(seconds)
