@@ -22,7 +22,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -140,6 +140,10 @@ def _median_time(
     return statistics.median(times), out
 
 
+def _to(state: State, device: str) -> State:
+    return {n: t.to(device) for n, t in state.items()}
+
+
 def _clone(state: State) -> State:
     return {n: t.clone() for n, t in state.items()}
 
@@ -180,6 +184,8 @@ def pulsesync_method(params: CodecParams) -> tuple[Callable[[Step], bytes], Call
 
     def dec(work: State, patch: bytes, s: Step) -> None:
         apply_patch(work, patch, base_digest=s.old_digest, verify=False)
+        if any(t.is_cuda for t in work.values()):  # kernels run asynchronously: time them done
+            torch.cuda.synchronize()
 
     return enc, dec
 
@@ -231,6 +237,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="measured steps per learning rate (default 4; quick 2)")
     parser.add_argument("--reps", type=int, help="timing repetitions per step (median; default 5, quick 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="also measure the default codec on states held on this device (e.g. cuda)")
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
     layers = args.layers or 4  # with vocab = 96 x hidden: embedding-heavy like small LLMs, density in range
@@ -256,6 +263,11 @@ def main() -> None:
         (r, summarize(r, steps, baseline))
         for r in [baseline] + [measure(n, steps, reps, *pulsesync_method(p)) for n, p in params]
     ]
+    if args.device:  # the same steps held on the device; the CPU rows above are the baseline
+        on_device = [replace(s, old=_to(s.old, args.device), new=_to(s.new, args.device)) for s in steps]
+        method = f"pulsesync default on {args.device}"
+        device_result = measure(method, on_device, reps, *pulsesync_method(CodecParams()))
+        results.append((device_result, summarize(device_result, steps, baseline)))
     bound = entropy_bound(steps)
 
     dense_mb = steps[0].dense_bytes / 1e6

@@ -17,6 +17,7 @@ The contracts: fast path (download excluded) <= 0.2 s per GiB of state; full_dow
 
     python bench/subscriber.py                          # 0.8 GiB of state
     python bench/subscriber.py --quick --json out.json  # 0.15 GiB, < 60 s: the automation contract
+    python bench/subscriber.py --numpy                  # without the numba kernels
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pulsesync import signing
+from pulsesync.codec import fused
 from pulsesync.config import PublisherConfig, SubscriberConfig
 from pulsesync.manifest import AnchorManifest
 from pulsesync.publisher import Publisher
@@ -163,7 +165,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
     parser.add_argument("--steps", type=int, help="fast-path steps measured (default 8; quick 4)")
     parser.add_argument("--mbps", type=float, default=400.0, help="link speed in megabits per second")
+    parser.add_argument("--numpy", action="store_true", help="without the numba kernels (as without pulsesync[fast])")
     args = parser.parse_args()
+    fused.enabled = fused.enabled and not args.numpy
     hidden = args.hidden or (768 if args.quick else 1536)
     layers = args.layers or (4 if args.quick else 8)
     steps = args.steps or (4 if args.quick else 8)
@@ -172,7 +176,9 @@ def main() -> None:
         states = publish(Path(tmp), key, hidden, layers, steps)
         r = asyncio.run(measure(Path(tmp), key, states, args.mbps))
     speedup = r["speedup_vs_full_400mbps"]
-    print(f"{r['state_gib']:.2f} GiB of bf16 state, {r['steps']} fast-path steps, link {args.mbps:g} Mb/s")
+    r["numba"] = fused.enabled
+    kernels = "numba kernels" if fused.enabled else "numpy path" if args.numpy else "numpy path (numba not installed)"
+    print(f"{r['state_gib']:.2f} GiB of bf16 state, {r['steps']} fast-path steps, link {args.mbps:g} Mb/s, {kernels}")
     print(f"{'measure':<36} {'seconds':>9} {'s/GiB':>7} {'MB':>9}")
     full = f"{r['full_download_s']:>9.3f} {'':>7} {r['full_bytes'] / 1e6:>9.1f}"
     print(f"{'full checkpoint download (baseline)':<36} {full}")

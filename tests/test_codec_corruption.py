@@ -14,7 +14,16 @@ import pytest
 import torch
 import zstandard
 
-from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, encode_patch, read_header
+from pulsesync.codec import (
+    CodecParams,
+    PatchDecoder,
+    RecordKind,
+    UndoLog,
+    apply_patch,
+    encode_patch,
+    fused,
+    read_header,
+)
 from pulsesync.codec.format import (
     PatchHeader,
     RecordHeader,
@@ -235,13 +244,22 @@ def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int =
     return _assemble(header, [(h, payload)])
 
 
-def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair) -> None:
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
+        pytest.param(False, id="numpy"),
+    ],
+)
+def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair, kernels: bool, monkeypatch) -> None:
     base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
     for gaps, escapes, match in [
         ([0, 1023], [], "outside the chunk"),  # positions 0 and 1024 in a chunk of 1024
         ([0xFFFF], [5000], "exceeds the chunk"),  # escaped gap beyond the chunk
-        ([0xFFFF, 0xFFFF], [600, 600], "exceeds the chunk"),  # each fits, together they do not
+        ([0xFFFF, 0xFFFF], [600, 600], "(exceeds|outside) the chunk"),  # each fits, together they do not
         ([0xFFFF], [], "decoded bytes|escape count"),  # an escape mark without its escape
+        ([0, 5], [7], "decoded bytes|escape count"),  # an escape without its mark
     ]:
         work = clone_state(base)
         with pytest.raises(CorruptPatchError, match=match):

@@ -21,6 +21,7 @@ from pulsesync.codec import (
     fused,
     read_header,
 )
+from pulsesync.codec.decoder import _decode_positions as decode_record_positions
 from pulsesync.digest import state_digest
 from pulsesync.errors import CorruptPatchError
 from pulsesync.tensors import DTYPES, dtype_info, flat_bits
@@ -219,6 +220,37 @@ def test_fused_kernel_matches_the_numpy_path_bit_for_bit(seed: int, density: flo
         assert (positions is None and other is None) or (
             positions is not None and other is not None and torch.equal(positions, other)
         )
+
+
+@pytest.mark.skipif(fused.decode_positions is None, reason="numba is not installed")
+@given(
+    positions=st.lists(st.integers(0, 300_000), max_size=60, unique=True).map(sorted),
+    length=st.sampled_from([1, 70_000, 300_001, 300_000]),
+    corrupt=st.sampled_from(["none", "drop an escape", "add an escape"]),
+)
+def test_positions_kernel_matches_the_numpy_decoder(positions: list[int], length: int, corrupt: str) -> None:
+    """Same positions, or the same refusal, from gap planes with escapes (gaps >= 0xFFFF)."""
+    gaps, escapes = bits.encode_positions(np.array(positions, np.int64))
+    if corrupt == "drop an escape":
+        escapes = escapes[:-1]
+    elif corrupt == "add an escape":
+        escapes = np.append(escapes, np.uint64(5))
+    planes = np.frombuffer(bits.to_planes(gaps), np.uint8)
+    outcomes = []
+    for kernels in (True, False):
+        fused.enabled = kernels
+        try:
+            outcomes.append(decode_record_positions(planes, gaps.size, escapes, length, "record"))
+        except CorruptPatchError as e:
+            outcomes.append(type(e))
+        finally:
+            fused.enabled = True
+    kernel, numpy_path = outcomes
+    assert (kernel is CorruptPatchError and numpy_path is CorruptPatchError) or (
+        isinstance(kernel, np.ndarray) and isinstance(numpy_path, np.ndarray) and np.array_equal(kernel, numpy_path)
+    )
+    if corrupt == "none" and max(positions, default=-1) < length:
+        assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
 
 
 def test_escape_count_is_checked_the_same_on_both_paths() -> None:

@@ -28,7 +28,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsesync import layout, metrics, signing, statecache
-from pulsesync.codec import UndoLog
+from pulsesync.codec import UndoLog, fused
 from pulsesync.config import DirectorySinkConfig, SubscriberConfig
 from pulsesync.digest import StateDigest
 from pulsesync.engines import Sink, Update, build_sinks
@@ -119,10 +119,13 @@ class Subscriber:
         self.status = SubscriberStatus()
         self._undelivered: _Staged | None = None  # a slow-path state a sink refused: deliver again
         self._state_lock = threading.Lock()  # held while the held state is patched in place
+        self._warm_up: asyncio.Future[None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Resume from cache_dir when it holds an intact verified state."""
+        """Resume from cache_dir when it holds an intact verified state; load the decode kernels meanwhile."""
+        if self._warm_up is None:
+            self._warm_up = asyncio.ensure_future(asyncio.to_thread(fused.warm_up))
         if self.config.cache_dir is None or self.state is not None:
             return
         cached = await asyncio.to_thread(statecache.load, self.config.cache_dir, self.config.codec.threads)
@@ -133,6 +136,8 @@ class Subscriber:
 
     async def close(self) -> None:
         """Release the store."""
+        if self._warm_up is not None:
+            await asyncio.wait([self._warm_up])
         await self.store.close()
 
     async def __aenter__(self) -> Subscriber:
