@@ -21,7 +21,6 @@ from pulsesync.codec import (
     fused,
     read_header,
 )
-from pulsesync.codec.decoder import _decode_positions as decode_record_positions
 from pulsesync.digest import state_digest
 from pulsesync.errors import CorruptPatchError
 from pulsesync.tensors import DTYPES, dtype_info, flat_bits
@@ -240,7 +239,7 @@ def test_positions_kernel_matches_the_numpy_decoder(positions: list[int], length
     for kernels in (True, False):
         fused.enabled = kernels
         try:
-            outcomes.append(decode_record_positions(planes, gaps.size, escapes, length, "record"))
+            outcomes.append(bits.decode_positions(planes, gaps.size, escapes, length, "record"))
         except CorruptPatchError as e:
             outcomes.append(type(e))
         finally:
@@ -253,7 +252,9 @@ def test_positions_kernel_matches_the_numpy_decoder(positions: list[int], length
         assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
 
 
-def test_escape_count_is_checked_the_same_on_both_paths() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["numba-if-installed", "numpy"])
+def test_escape_count_is_checked_the_same_on_both_paths(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "enabled", fused.enabled and kernels)
     values = np.array([1, 2, 3, 400, 5, 1], np.uint16)  # zigzagged; 400 and 5 (>= offset 1 + 3) escape
     packed, escapes = bits.pack_small(values, 1)
     bits.check_escape_count(packed, values.size, escapes.size, "r")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pulsesync.codec import fused
 from pulsesync.codec.format import ESCAPE, SMALL_ESCAPE, ValueCoding
 from pulsesync.errors import CorruptPatchError
 from pulsesync.tensors import DTypeInfo
@@ -168,7 +169,7 @@ def unpack_small(packed: np.ndarray, count: int, escapes: np.ndarray, offset: in
     sym = _lookup(_CODE_TABLES[escapes.itemsize], packed, count, _UNSIGNED[escapes.itemsize])
     big = sym == SMALL_ESCAPE
     if int(np.count_nonzero(big)) != escapes.size:
-        raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
+        raise CorruptPatchError(f"{where}: {_VALUE_ESCAPES_MISMATCH}")
     if escapes.size:
         sym[big] = escapes
     sym += np.array(offset, escapes.dtype)
@@ -176,14 +177,19 @@ def unpack_small(packed: np.ndarray, count: int, escapes: np.ndarray, offset: in
 
 
 _ESCAPES_IN_BYTE = (_CODES_OF_BYTE == SMALL_ESCAPE).sum(axis=1).astype(np.int64)
+_VALUE_ESCAPES_MISMATCH = "escaped value count does not match the value codes"
+_GAP_ESCAPES_MISMATCH = "escape count does not match the gap stream"
 
 
 def check_escape_count(packed: np.ndarray, count: int, escapes: int, where: str) -> None:
     """CorruptPatchError unless the first `count` codes hold exactly `escapes` escape codes."""
-    found = int(_ESCAPES_IN_BYTE[packed[: count // 4]].sum())
-    found += int(np.count_nonzero(_CODES_OF_BYTE[packed[count // 4 :]].reshape(-1)[: count % 4] == SMALL_ESCAPE))
+    if fused.enabled and fused.count_escape_codes is not None:
+        found = fused.count_escape_codes(packed, count)
+    else:
+        found = int(_ESCAPES_IN_BYTE[packed[: count // 4]].sum())
+        found += int(np.count_nonzero(_CODES_OF_BYTE[packed[count // 4 :]].reshape(-1)[: count % 4] == SMALL_ESCAPE))
     if found != escapes:
-        raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
+        raise CorruptPatchError(f"{where}: {_VALUE_ESCAPES_MISMATCH}")
 
 
 def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, offset: int, where: str) -> np.ndarray:
@@ -194,7 +200,7 @@ def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, off
     deltas = _lookup(_DELTA_TABLES[escapes.itemsize], packed, count, signed)
     big = deltas == 0
     if int(np.count_nonzero(big)) != escapes.size:
-        raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
+        raise CorruptPatchError(f"{where}: {_VALUE_ESCAPES_MISMATCH}")
     if escapes.size:
         deltas[big] = unzigzag(escapes + np.array(1, escapes.dtype), signed)
     return deltas
@@ -222,19 +228,33 @@ def encode_positions(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.minimum(gaps, ESCAPE).astype(np.uint16), gaps[big].astype(np.uint64)
 
 
-def decode_positions(gaps16: np.ndarray, escapes: np.ndarray, length: int, where: str) -> np.ndarray:
-    """Inverse of encode_positions, checking every position lies in [0, length)."""
+def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length: int, where: str) -> np.ndarray:
+    """Inverse of encode_positions from the u16 gaps' byte planes, checking every position lies in [0, length).
+
+    One pass of numba's kernel where installed (fused.decode_positions), else numpy.
+    """
+    if fused.enabled and fused.decode_positions is not None:
+        positions = np.empty(count, np.int64)
+        status = fused.decode_positions(planes, count, escapes, length, positions)
+        if status == fused.POSITIONS_ESCAPES_MISMATCH:
+            raise CorruptPatchError(f"{where}: {_GAP_ESCAPES_MISMATCH}")
+        if status == fused.POSITIONS_GAP_OUTSIDE:
+            raise CorruptPatchError(f"{where}: escaped position gap exceeds the chunk of {length}")
+        if status == fused.POSITIONS_OUTSIDE:
+            raise CorruptPatchError(f"{where}: a position is outside the chunk of {length}")
+        return positions
+    gaps16 = from_planes(planes, count, np.uint16)
     gaps = gaps16.astype(np.int64)
     if escapes.size:
         marks = gaps16 == ESCAPE
         if int(marks.sum()) != escapes.size:
-            raise CorruptPatchError(f"{where}: escape count does not match the gap stream")
+            raise CorruptPatchError(f"{where}: {_GAP_ESCAPES_MISMATCH}")
         # Escaped gaps are < length, and all gaps sum to < length, so the cumsum cannot overflow.
         if int(escapes.max()) >= length or sum(int(e) for e in escapes) >= length:
             raise CorruptPatchError(f"{where}: escaped position gap exceeds the chunk of {length}")
         gaps[marks] = escapes.astype(np.int64)
     elif gaps16.size and bool((gaps16 == ESCAPE).any()):
-        raise CorruptPatchError(f"{where}: escape count does not match the gap stream")
+        raise CorruptPatchError(f"{where}: {_GAP_ESCAPES_MISMATCH}")
     gaps += 1  # p_i = p_{i-1} + gap_i + 1: one cumulative sum, in place
     positions = np.cumsum(gaps, out=gaps)
     positions -= 1

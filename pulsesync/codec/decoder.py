@@ -202,37 +202,14 @@ def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
         return PatchRecord(h, None, _decode_value_stream(buf, h, h.length, 0, where))
     n, gaps_end = h.count, 2 * h.count
     escapes_end = gaps_end + 8 * h.escapes
-    positions = _decode_positions(buf[:gaps_end], n, buf[gaps_end:escapes_end].view("<u8"), h.length, where)
+    positions = bits.decode_positions(buf[:gaps_end], n, buf[gaps_end:escapes_end].view("<u8"), h.length, where)
     values = buf[escapes_end:]
     if fused.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
         packed_len = (n + 3) // 4
         escaped = bits.from_planes(values[packed_len:], h.value_escapes, np.uint16)
-        _check_escape_count(values[:packed_len], n, escaped.size, where)
+        bits.check_escape_count(values[:packed_len], n, escaped.size, where)
         return PatchRecord(h, positions, None, (values[:packed_len], escaped))
     return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where))
-
-
-def _decode_positions(planes: np.ndarray, n: int, escapes: np.ndarray, length: int, where: str) -> np.ndarray:
-    """bits.decode_positions of u16 gap planes, in one fused pass where numba is installed."""
-    if not fused.enabled or fused.decode_positions is None:
-        return bits.decode_positions(bits.from_planes(planes, n, np.uint16), escapes, length, where)
-    positions = np.empty(n, np.int64)
-    status = fused.decode_positions(planes, n, escapes, length, positions)
-    if status == fused.POSITIONS_ESCAPES_MISMATCH:
-        raise CorruptPatchError(f"{where}: escape count does not match the gap stream")
-    if status == fused.POSITIONS_GAP_OUTSIDE:
-        raise CorruptPatchError(f"{where}: escaped position gap exceeds the chunk of {length}")
-    if status == fused.POSITIONS_OUTSIDE:
-        raise CorruptPatchError(f"{where}: a position is outside the chunk of {length}")
-    return positions
-
-
-def _check_escape_count(packed: np.ndarray, n: int, escapes: int, where: str) -> None:
-    """bits.check_escape_count, in one fused pass where numba is installed."""
-    if fused.count_escape_codes is None:
-        bits.check_escape_count(packed, n, escapes, where)
-    elif fused.count_escape_codes(packed, n) != escapes:
-        raise CorruptPatchError(f"{where}: escaped value count does not match the value codes")
 
 
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:

@@ -8,9 +8,10 @@ into the tensor (gather, then scatter: a cache and TLB miss each). Here:
 - `count_escape_codes` counts the value codes that say "escaped" (checked against the record);
 - `apply_delta_2byte` gathers a block of old values (independent loads the CPU overlaps), then
   applies the order-preserving deltas from cache, and returns the old values for the undo log.
-Positions and escape counts are checked before the apply kernel runs, so it only ever indexes
-inside the chunk. Without numba the numpy path runs: the results (errors included) are
-bit-identical, which the tests check by running both.
+bits.decode_positions and bits.check_escape_count run the first two and check their results
+before the apply kernel runs, so it only ever indexes inside the chunk. Without numba the numpy
+path runs: the results (errors included) are bit-identical, which the tests check by running
+both.
 """
 
 from __future__ import annotations

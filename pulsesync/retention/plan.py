@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from pulsesync import layout
 from pulsesync.config import RetentionPolicy
-from pulsesync.layout import walk_to_anchor
 from pulsesync.store import ObjectInfo
 
 Entry = tuple[int, layout.Kind]  # (step, kind) of a ready marker
@@ -139,7 +138,7 @@ def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) 
     def keep_patch_chain(step: int) -> None:
         keep.add((step, "patch"))
         # A step with its own anchor rebuilds from it (readers prefer it): no chain below is needed.
-        links, anchor = walk_to_anchor(step if step in anchor_steps else bases[step], anchor_steps, bases)
+        links, anchor = layout.walk_to_anchor(step if step in anchor_steps else bases[step], anchor_steps, bases)
         keep.update((s, "patch") for s in links)
         if anchor is not None:  # None: broken before this run; nothing here can mend it
             keep.add((anchor, "anchor"))
