@@ -30,8 +30,8 @@ import zstandard
 
 from pulsesync.codec import CodecParams, apply_patch, encode_patch
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.parallel import default_threads
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+from pulsesync.threads import default_threads
 
 State = dict[str, torch.Tensor]
 DENSITY_RANGE = (0.005, 0.015)

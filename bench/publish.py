@@ -31,10 +31,10 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pulsesync import signing
-from pulsesync.config import PublisherConfig
+from pulsesync.protocol import signing
+from pulsesync.protocol.chain import ChainReader
 from pulsesync.publisher import Publisher
-from pulsesync.reader import ChainReader
+from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 

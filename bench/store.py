@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pulsesync.store import S3Store
 from pulsesync.store.base import write_atomically
-from tests.servers import BUCKET, make_bucket, moto_server_process, seaweedfs_server
+from tests.support.servers import BUCKET, make_bucket, moto_server_process, seaweedfs_server
 
 
 async def best_mbps(fn: Callable[[], Awaitable[object]], size: int, reps: int) -> float:

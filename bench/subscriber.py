@@ -36,13 +36,14 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pulsesync import signing
 from pulsesync.codec import fused
-from pulsesync.config import PublisherConfig, SubscriberConfig
-from pulsesync.manifest import AnchorManifest
+from pulsesync.protocol import signing
+from pulsesync.protocol.manifest import AnchorManifest
 from pulsesync.publisher import Publisher
+from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore, ObjectInfo, ProgressCallback, TransferResult
 from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 

@@ -43,7 +43,7 @@ def _stop_on_signals() -> Any:
 
 def _subscriber_config(args: argparse.Namespace, **overrides: Any) -> Any:
     """A SubscriberConfig from --config, the common flags, `overrides` and --trusted-key (added to the file's)."""
-    from pulsesync.config import SubscriberConfig
+    from pulsesync.subscriber.config import SubscriberConfig
 
     flags = {"store.url": args.store, "store.endpoint_url": args.endpoint_url} | overrides
     config = load_config(SubscriberConfig, args.config, flags)
@@ -53,7 +53,7 @@ def _subscriber_config(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from pulsesync.signing import write_keypair
+    from pulsesync.protocol.signing import write_keypair
 
     key_path, pub_path, kid = write_keypair(args.out, force=args.force)
     print(f"wrote {key_path} (private, mode 0600) and {pub_path}; key id {kid}")
@@ -82,10 +82,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_publish(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pulsesync.config import PublisherConfig
     from pulsesync.errors import ConfigError
     from pulsesync.publisher import StepReport
-    from pulsesync.publisher.daemon import publish_checkpoint, publish_synthetic, watch
+    from pulsesync.publisher.config import PublisherConfig
+    from pulsesync.publisher.sources import publish_checkpoint, publish_synthetic, watch
 
     config = load_config(
         PublisherConfig,
@@ -146,8 +146,8 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
 def _cmd_retain(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pulsesync.config import RetentionConfig
     from pulsesync.retention import RetentionWorker
+    from pulsesync.retention.policy import RetentionConfig
     from pulsesync.store import open_store
 
     config = load_config(
@@ -183,8 +183,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from pulsesync import signing
-    from pulsesync.inspection import chain_rows, format_table, rows_as_json
+    from pulsesync.inspect_chain import chain_rows, format_table, rows_as_json
+    from pulsesync.protocol import signing
     from pulsesync.store import open_store
 
     config = _subscriber_config(args)
@@ -203,9 +203,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from pulsesync import signing
     from pulsesync.errors import ConfigError
-    from pulsesync.reader import ChainReader
+    from pulsesync.protocol import signing
+    from pulsesync.protocol.chain import ChainReader
     from pulsesync.store import open_store
 
     config = _subscriber_config(args)

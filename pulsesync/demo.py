@@ -21,17 +21,20 @@ from collections.abc import Callable
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import layout, signing
 from pulsesync.codec import CodecParams
-from pulsesync.config import PublisherConfig, RetentionPolicy, StoreConfig, SubscriberConfig
 from pulsesync.errors import ConflictError
-from pulsesync.manifest import parse_manifest
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.manifest import parse_manifest
 from pulsesync.publisher import AsyncPublisher
-from pulsesync.reader import ChainReader
+from pulsesync.publisher.config import PublisherConfig
 from pulsesync.retention import RetentionWorker
+from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import S3Store, Store, open_store
+from pulsesync.store.config import StoreConfig
 from pulsesync.store.embedded import embedded_s3
 from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 EMBEDDED_BUCKET = "pulsesync-demo"

@@ -15,8 +15,8 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
-from pulsesync.parallel import parallel_map
-from pulsesync.tensors import State, dtype_info, flat_bytes
+from pulsesync.dtypes import State, dtype_info, flat_bytes
+from pulsesync.threads import parallel_map
 
 DigestAlgorithm = Literal["xxh3-128", "sha256"]
 DEFAULT_ALGORITHM: DigestAlgorithm = "xxh3-128"

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests.servers import moto_server
+from tests.support.servers import moto_server
 
 settings.register_profile("default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=3000)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pulsesync.cli import main
-from tests.servers import BUCKET
+from tests.support.servers import BUCKET
 
 
 def _round_trip(flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog) -> None:

@@ -34,9 +34,9 @@ from pulsesync.codec.format import (
     raw_len_for,
 )
 from pulsesync.digest import state_digest
+from pulsesync.dtypes import dtype_info
 from pulsesync.errors import CorruptPatchError, IntegrityError, UnsupportedVersionError
-from pulsesync.tensors import dtype_info
-from tests.helpers import assert_states_equal, clone_state, mutate, random_bits
+from tests.support.helpers import assert_states_equal, clone_state, mutate, random_bits
 
 BF16 = dtype_info(torch.bfloat16)
 

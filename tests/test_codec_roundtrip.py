@@ -22,9 +22,9 @@ from pulsesync.codec import (
     read_header,
 )
 from pulsesync.digest import state_digest
+from pulsesync.dtypes import DTYPES, dtype_info, flat_bits
 from pulsesync.errors import CorruptPatchError
-from pulsesync.tensors import DTYPES, dtype_info, flat_bits
-from tests.helpers import assert_bits_equal, assert_states_equal, clone_state, mutate, random_bits, state_pairs
+from tests.support.helpers import assert_bits_equal, assert_states_equal, clone_state, mutate, random_bits, state_pairs
 
 CODINGS = ["delta", "raw", "xor"]
 LEVELS = [-5, 1, 3, 19]

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from pulsesync.config import Config, PublisherConfig, RetentionConfig, SubscriberConfig, load_config
+from pulsesync.config import Config, load_config
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.retention.policy import RetentionConfig
+from pulsesync.subscriber.config import SubscriberConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 MODELS: dict[str, type[BaseModel]] = {

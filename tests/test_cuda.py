@@ -17,18 +17,19 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import signing
 from pulsesync.codec import CodecParams, UndoLog, apply_patch, encode_patch
-from pulsesync.config import PublisherConfig, SubscriberConfig
 from pulsesync.digest import state_digest
-from pulsesync.engines.vllm import INDEX_SUFFIX, apply_update, build_update
+from pulsesync.dtypes import dtype_info
+from pulsesync.protocol import signing
+from pulsesync.protocol.chain import ChainReader
 from pulsesync.publisher import Publisher
-from pulsesync.reader import ChainReader
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.sinks.vllm import INDEX_SUFFIX, apply_update, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.synthetic import SyntheticTrainer
-from pulsesync.tensors import dtype_info
-from tests.helpers import assert_states_equal, mutate, random_bits
+from tests.support.helpers import assert_states_equal, mutate, random_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

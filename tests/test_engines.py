@@ -18,27 +18,23 @@ import torch
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import signing
 from pulsesync.cli import main
-from pulsesync.config import (
-    CommandSinkConfig,
-    PublisherConfig,
-    SGLangSinkConfig,
-    SubscriberConfig,
-    VLLMSinkConfig,
-)
-from pulsesync.engines.vllm import INDEX_SUFFIX, PulseSyncWorkerExtension, apply_update, build_update
 from pulsesync.errors import EngineError
+from pulsesync.protocol import signing
 from pulsesync.publisher import AsyncPublisher
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.sinks import CommandSinkConfig, SGLangSinkConfig, VLLMSinkConfig
+from pulsesync.sinks.vllm import INDEX_SUFFIX, PulseSyncWorkerExtension, apply_update, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
-from tests.helpers import assert_states_equal
+from pulsesync.subscriber.config import SubscriberConfig
+from tests.support.helpers import assert_states_equal
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_qwen2(seed: int = 0) -> Any:
-    from tests.hf_trainer_proc import TINY_QWEN2
+    from tests.support.hf_trainer_proc import TINY_QWEN2
 
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY_QWEN2)).to(torch.bfloat16)

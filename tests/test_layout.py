@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pulsesync import layout
+from pulsesync.protocol import layout
 
 
 def test_key_names_match_the_protocol() -> None:

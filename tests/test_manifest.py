@@ -9,7 +9,6 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import signing
 from pulsesync.digest import state_digest
 from pulsesync.errors import (
     ManifestError,
@@ -18,7 +17,8 @@ from pulsesync.errors import (
     UnknownKeyError,
     UnsupportedVersionError,
 )
-from pulsesync.manifest import (
+from pulsesync.protocol import signing
+from pulsesync.protocol.manifest import (
     AnchorFormat,
     AnchorManifest,
     ObjectRef,

@@ -19,17 +19,17 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import REGISTRY
 
-from pulsesync import layout, signing
-from pulsesync.config import PublisherConfig
 from pulsesync.errors import ConflictError, StoreError
-from pulsesync.manifest import AnchorManifest, PatchManifest, verify_manifest
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, verify_manifest
 from pulsesync.publisher import AsyncPublisher, Publisher
-from pulsesync.reader import ChainReader
+from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore, S3Store, Store
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
-from tests.helpers import assert_states_equal
-from tests.recording_store import RecordingStore
-from tests.servers import BUCKET
+from tests.support.helpers import assert_states_equal
+from tests.support.recording_store import RecordingStore
+from tests.support.servers import BUCKET
 
 ROOT = Path(__file__).parent.parent
 
@@ -322,7 +322,7 @@ def test_kill_9_between_payload_and_marker_leaves_no_step_and_the_next_run_conti
     store_dir, key_file, flag = tmp_path / "store", tmp_path / "publisher.key", tmp_path / "stalled"
     signing.write_keypair(tmp_path)
     key = signing.load_private_key(key_file)
-    run = [sys.executable, "-m", "tests.publisher_proc", str(store_dir), str(key_file)]
+    run = [sys.executable, "-m", "tests.support.publisher_proc", str(store_dir), str(key_file)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([*run, "0", "9", "6", str(flag)], cwd=ROOT, env=env)
     try:
@@ -348,7 +348,7 @@ def test_kill_9_between_payload_and_marker_leaves_no_step_and_the_next_run_conti
 
 
 def test_snapshot_pool_recycles_only_released_buffers() -> None:
-    from pulsesync.publisher.snapshot import SnapshotPool
+    from pulsesync.publisher.host_copy import SnapshotPool
 
     pool = SnapshotPool(keep=1)
     a, b = trainer_states(2)

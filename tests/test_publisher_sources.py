@@ -13,18 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pulsesync import layout, signing
 from pulsesync.cli import main
-from pulsesync.config import PublisherConfig, WatchConfig
 from pulsesync.errors import ConfigError
-from pulsesync.manifest import AnchorManifest
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.manifest import AnchorManifest
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
-from pulsesync.publisher.daemon import watch
-from pulsesync.reader import ChainReader
+from pulsesync.publisher.config import PublisherConfig, WatchConfig
+from pulsesync.publisher.sources import watch
 from pulsesync.store import FileStore
-from tests.helpers import assert_states_equal
-from tests.servers import free_port
+from tests.support.helpers import assert_states_equal
+from tests.support.servers import free_port
 
 ROOT = Path(__file__).parent.parent
 transformers = pytest.importorskip("transformers")
@@ -89,7 +89,7 @@ async def test_watch_publishes_checkpoints_that_save_pretrained_writes_in_a_subp
         }
     )
     steps = 4
-    proc = subprocess.Popen([sys.executable, "-m", "tests.hf_trainer_proc", str(ckpts), str(steps)], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.hf_trainer_proc", str(ckpts), str(steps)], cwd=ROOT)
     stop = asyncio.Event()
     watcher = asyncio.create_task(watch(config, ckpts, stop=stop))
     while proc.poll() is None:
@@ -178,7 +178,7 @@ def test_cli_publish_rejects_bad_config_naming_the_key(tmp_path: Path, capsys: p
 
 def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path) -> None:
     from pulsesync.integrations.transformers import PulseSyncCallback
-    from tests.hf_trainer_proc import TINY_QWEN2
+    from tests.support.hf_trainer_proc import TINY_QWEN2
 
     signing.write_keypair(tmp_path)
     port = free_port()

@@ -20,18 +20,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pulsesync import layout, signing
-from pulsesync.config import RetentionPolicy, SubscriberConfig
-from pulsesync.engines import Sink, Update
 from pulsesync.errors import StoreError
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainReader
 from pulsesync.publisher import AsyncPublisher
-from pulsesync.reader import ChainReader
 from pulsesync.retention import RetentionWorker
+from pulsesync.retention.policy import RetentionPolicy
+from pulsesync.sinks import Sink, Update
 from pulsesync.store import FileStore, S3Store, Store
 from pulsesync.subscriber import Subscriber
-from tests.helpers import assert_states_equal
-from tests.recording_store import RecordingStore
-from tests.servers import BUCKET
+from pulsesync.subscriber.config import SubscriberConfig
+from tests.support.helpers import assert_states_equal
+from tests.support.recording_store import RecordingStore
+from tests.support.servers import BUCKET
 from tests.test_publisher import config, trainer_states
 
 STATES = 40

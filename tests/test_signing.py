@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pulsesync import signing
 from pulsesync.errors import ConfigError, ConflictError
+from pulsesync.protocol import signing
 
 
 def test_write_keypair_modes_and_key_id(tmp_path: Path) -> None:

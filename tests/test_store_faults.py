@@ -1,4 +1,4 @@
-"""Retries against injected faults (see tests/fault_proxy.py: a fault injector in front of real moto).
+"""Retries against injected faults (see tests/support/fault_proxy.py: a fault injector in front of real moto).
 
 Transient faults (500, 503 SlowDown, connection resets, truncated bodies) are retried to success
 with the data intact; 403 and 404 surface at once as the right error; no credential leaks.
@@ -17,8 +17,8 @@ import pytest
 
 from pulsesync.errors import AccessDeniedError, NotFoundError, PulseSyncError, StoreError
 from pulsesync.store import RetryPolicy, S3Store
-from tests.fault_proxy import FaultProxy
-from tests.servers import ACCESS_KEY, BUCKET, SECRET_KEY
+from tests.support.fault_proxy import FaultProxy
+from tests.support.servers import ACCESS_KEY, BUCKET, SECRET_KEY
 
 pytestmark = pytest.mark.integration
 FAST = RetryPolicy(attempts=6, initial_wait=0.01, max_wait=0.05)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pulsesync.store import FileStore, Store
-from tests.store_conformance import StoreConformance
+from pulsesync.store.testing import StoreConformance
 
 
 class TestFileStore(StoreConformance):

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pulsesync.config import Config, StoreConfig, load_config
+from pulsesync.config import Config, load_config
 from pulsesync.errors import ConfigError, StoreError
 from pulsesync.store import FileStore, S3Store, TransferProgress, open_store
 from pulsesync.store.base import check_key
+from pulsesync.store.config import StoreConfig
 from pulsesync.store.progress import describe, reporter
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pulsesync.store import S3Store
-from tests.servers import BUCKET, seaweedfs_server
-from tests.store_conformance import StoreConformance
+from pulsesync.store.testing import StoreConformance
+from tests.support.servers import BUCKET, seaweedfs_server
 
 
 @pytest.fixture(scope="session")

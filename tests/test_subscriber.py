@@ -19,9 +19,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import layout, signing
 from pulsesync.codec import encode_patch
-from pulsesync.config import CommandSinkConfig, PublisherConfig, SubscriberConfig
 from pulsesync.digest import state_digest
 from pulsesync.errors import (
     EngineError,
@@ -32,13 +30,17 @@ from pulsesync.errors import (
     SignatureError,
     UnknownKeyError,
 )
-from pulsesync.manifest import ObjectRef, PatchManifest
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.manifest import ObjectRef, PatchManifest
 from pulsesync.publisher import AsyncPublisher
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.sinks import CommandSinkConfig
 from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
 from pulsesync.subscriber import Subscriber
-from tests.fault_proxy import FaultProxy
-from tests.helpers import assert_states_equal
-from tests.servers import BUCKET
+from pulsesync.subscriber.config import SubscriberConfig
+from tests.support.fault_proxy import FaultProxy
+from tests.support.helpers import assert_states_equal
+from tests.support.servers import BUCKET
 from tests.test_publisher import trainer_states
 
 STATES = 12
@@ -325,7 +327,7 @@ async def test_daemon_serves_metrics_and_healthz(
 ) -> None:
     import aiohttp
 
-    from tests.servers import free_port
+    from tests.support.servers import free_port
 
     port = free_port()
     sub = subscriber(store, key, poll_seconds=0.05, metrics_port=port)

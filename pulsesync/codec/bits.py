@@ -11,8 +11,8 @@ import torch
 
 from pulsesync.codec import fused
 from pulsesync.codec.format import ESCAPE, SMALL_ESCAPE, ValueCoding
+from pulsesync.dtypes import DTypeInfo
 from pulsesync.errors import CorruptPatchError
-from pulsesync.tensors import DTypeInfo
 
 
 def _wrapping(op: str, a: torch.Tensor, b: torch.Tensor, info: DTypeInfo) -> torch.Tensor:

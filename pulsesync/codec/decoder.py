@@ -28,9 +28,9 @@ from pulsesync.codec.format import (
     payload_hash,
 )
 from pulsesync.digest import DigestAlgorithm, StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
+from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError
-from pulsesync.parallel import parallel_map, submit_beside
-from pulsesync.tensors import describe
+from pulsesync.threads import parallel_map, submit_beside
 
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

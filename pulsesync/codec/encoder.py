@@ -24,9 +24,9 @@ from pulsesync.codec.format import (
 )
 from pulsesync.codec.params import CodecParams
 from pulsesync.digest import StateDigest, state_digest
+from pulsesync.dtypes import DTypeInfo, State, dtype_info, flat_bits
 from pulsesync.errors import ConfigError
-from pulsesync.parallel import parallel_map
-from pulsesync.tensors import DTypeInfo, State, dtype_info, flat_bits
+from pulsesync.threads import parallel_map
 
 _local = threading.local()
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
-from pulsesync.tensors import DTypeInfo, dtype_by_code
 
 MAGIC = b"PULSEPT\x00"
 FORMAT_VERSION = 1

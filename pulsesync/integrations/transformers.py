@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from pulsesync.config import PublisherConfig
 from pulsesync.publisher import Publisher
+from pulsesync.publisher.config import PublisherConfig
 
 StateDictFn = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
 

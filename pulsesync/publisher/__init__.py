@@ -1,5 +1,5 @@
 """The publisher daemon and in-process API: patches every step, anchors every k, ready markers last."""
 
-from pulsesync.publisher.core import AsyncPublisher, FileSource, Publisher, StepReport
+from pulsesync.publisher.pipeline import AsyncPublisher, FileSource, Publisher, StepReport
 
 __all__ = ["AsyncPublisher", "FileSource", "Publisher", "StepReport"]

@@ -20,9 +20,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from pulsesync.config import WatchConfig
 from pulsesync.errors import IntegrityError, NotFoundError
-from pulsesync.hf import INDEX_FILE, SHARD_NAME
+from pulsesync.model_dir import INDEX_FILE, SHARD_NAME
+from pulsesync.publisher.config import WatchConfig
 
 CHECKPOINT_DIR = re.compile(r"^(?:checkpoint-)?(\d+)$")
 _HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header

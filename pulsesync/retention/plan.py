@@ -20,8 +20,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pulsesync import layout
-from pulsesync.config import RetentionPolicy
+from pulsesync.protocol import layout
+from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import ObjectInfo
 
 Entry = tuple[int, layout.Kind]  # (step, kind) of a ready marker

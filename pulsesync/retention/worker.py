@@ -14,11 +14,11 @@ import contextlib
 import datetime as dt
 import logging
 
-from pulsesync import layout
-from pulsesync.config import RetentionPolicy
 from pulsesync.errors import NotFoundError, PulseSyncError
-from pulsesync.manifest import PatchManifest, parse_manifest
+from pulsesync.protocol import layout
+from pulsesync.protocol.manifest import PatchManifest, parse_manifest
 from pulsesync.retention.plan import Entry, Plan, Published, Snapshot, Tombstone, plan
+from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import ObjectInfo, Store
 
 log = logging.getLogger("pulsesync.retention")

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from pulsesync.errors import ConfigError
 from pulsesync.store.base import ObjectInfo, Store, TransferResult
+from pulsesync.store.config import StoreConfig
 from pulsesync.store.fs import FileStore
 from pulsesync.store.progress import ProgressCallback, TransferProgress
 from pulsesync.store.retry import RetryPolicy
 from pulsesync.store.s3 import S3Store
-
-if TYPE_CHECKING:  # config imports RetryPolicy from this package
-    from pulsesync.config import StoreConfig
 
 __all__ = [
     "FileStore",
@@ -21,6 +18,7 @@ __all__ = [
     "ProgressCallback",
     "RetryPolicy",
     "S3Store",
+    "StoreConfig",
     "Store",
     "TransferProgress",
     "TransferResult",

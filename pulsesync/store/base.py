@@ -2,7 +2,7 @@
 
 A store is a flat key space under a prefix. Keys are relative to the prefix, use "/" as the
 separator and never start with "/" or contain "." or ".." segments. Every backend passes one
-conformance suite (tests/store_conformance.py).
+conformance suite (pulsesync/store/testing.py).
 """
 
 from __future__ import annotations

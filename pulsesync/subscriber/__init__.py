@@ -1,5 +1,5 @@
 """The subscriber daemon and in-process API: fast, chain and slow paths, verified, delivered to sinks."""
 
-from pulsesync.subscriber.core import Subscriber, SubscriberStatus, SyncResult
+from pulsesync.subscriber.subscriber import Subscriber, SubscriberStatus, SyncResult
 
 __all__ = ["Subscriber", "SubscriberStatus", "SyncResult"]

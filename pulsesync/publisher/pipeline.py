@@ -28,18 +28,27 @@ from typing import Any, TypeVar
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync import layout, metrics, signing, statecache
+from pulsesync import metrics, state_cache
 from pulsesync.codec import FORMAT_VERSION, encode_patch, read_header
-from pulsesync.config import PublisherConfig
 from pulsesync.digest import StateDigest, state_digest
+from pulsesync.dtypes import State
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
-from pulsesync.hf import WEIGHT_SUFFIX, write_model_dir
-from pulsesync.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes, utc_now
-from pulsesync.publisher.snapshot import SnapshotPool, dense_bytes
-from pulsesync.reader import ChainReader
+from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.manifest import (
+    AnchorFormat,
+    AnchorManifest,
+    ObjectRef,
+    PatchCodec,
+    PatchManifest,
+    Sizes,
+    utc_now,
+)
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.publisher.host_copy import SnapshotPool, dense_bytes
 from pulsesync.retention import RetentionWorker
 from pulsesync.store import Store, open_store
-from pulsesync.tensors import State
 
 log = logging.getLogger("pulsesync.publisher")
 T = TypeVar("T")
@@ -227,7 +236,7 @@ class AsyncPublisher:
             await self.store.close()
         if self.config.cache_dir is not None and self._base is not None:
             base = self._base
-            await asyncio.to_thread(statecache.save, self.config.cache_dir, base.step, base.state, base.digest)
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, base.step, base.state, base.digest)
 
     async def __aenter__(self) -> AsyncPublisher:
         await self.start()
@@ -504,7 +513,7 @@ class AsyncPublisher:
         reader = ChainReader(self.store, trusted, threads=self.config.codec.threads or 1)
         cached = None
         if self.config.cache_dir is not None:
-            cached = await asyncio.to_thread(statecache.load, self.config.cache_dir, self.config.codec.threads)
+            cached = await asyncio.to_thread(state_cache.load, self.config.cache_dir, self.config.codec.threads)
         if cached is not None and cached.step == newest:
             manifest = await reader.manifest(newest, "patch" if "patch" in ready[newest] else "anchor")
             if manifest.state_digest.root == cached.digest.root:

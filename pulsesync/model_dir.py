@@ -17,7 +17,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 
-from pulsesync.tensors import State
+from pulsesync.dtypes import State
 
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHT_SUFFIX = ".safetensors"

@@ -2,7 +2,7 @@
 
 Engine side: start vLLM with the extension and the dev-mode endpoints,
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --worker-extension-cls pulsesync.engines.vllm.PulseSyncWorkerExtension
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --worker-extension-cls pulsesync.sinks.vllm.PulseSyncWorkerExtension
 
 (targets vLLM's V1 engine, 0.10 and later: `--worker-extension-cls`, `POST /collective_rpc`,
 `POST /reset_prefix_cache`). Sidecar side: after each verified step the sink writes one update file
@@ -20,19 +20,31 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
-from pulsesync.config import VLLMSinkConfig
 from pulsesync.digest import StateDigest
-from pulsesync.engines.base import Sink, Update
-from pulsesync.engines.http import post_json
+from pulsesync.dtypes import State
 from pulsesync.errors import EngineError
+from pulsesync.sinks.base import Sink, Update
+from pulsesync.sinks.http import post_json
 from pulsesync.store.base import temp_path
-from pulsesync.tensors import State
+
+
+class VLLMSinkConfig(BaseModel):
+    """Apply each update to a vLLM server through pulsesync's worker extension (collective_rpc)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["vllm"] = "vllm"
+    url: str = Field(description="the vLLM server, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1)")
+    update_dir: Path = Field(description="where update files are written; the vLLM workers must read this path")
+    timeout_seconds: float = Field(600.0, gt=0, description="per request")
+
 
 INDEX_SUFFIX = "::pulsesync_index"  # int64 flat positions of the changed elements
 VALUE_SUFFIX = "::pulsesync_values"  # their new values, same dtype as the tensor

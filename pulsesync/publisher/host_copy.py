@@ -15,7 +15,7 @@ from collections.abc import Hashable
 
 import torch
 
-from pulsesync.tensors import State
+from pulsesync.dtypes import State
 
 Buffers = dict[str, torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""A trainer process writing HF checkpoints: `python -m tests.hf_trainer_proc OUT_DIR STEPS`.
+"""A trainer process writing HF checkpoints: `python -m tests.support.hf_trainer_proc OUT_DIR STEPS`.
 
 A tiny Qwen2 built with `from_config`, trained in fp32 with AdamW on random tokens; after each
 step a bf16 copy is saved with `save_pretrained` into OUT_DIR/checkpoint-<step>/ in several

@@ -1,4 +1,6 @@
-"""A publisher process for crash tests: `python -m tests.publisher_proc STORE_DIR KEY FIRST LAST [STALL_STEP FLAG]`.
+"""A publisher process for crash tests.
+
+`python -m tests.support.publisher_proc STORE_DIR KEY FIRST LAST [STALL_STEP FLAG]`
 
 Publishes the synthetic trainer's steps FIRST..LAST (resuming from the store when it holds steps).
 With STALL_STEP it blocks right before writing that step's patch ready marker (after the payload
@@ -10,12 +12,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pulsesync.config import PublisherConfig
-from pulsesync.layout import ready_key
+from pulsesync.protocol.layout import ready_key
+from pulsesync.protocol.signing import load_private_key
 from pulsesync.publisher import Publisher
-from pulsesync.signing import load_private_key
+from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
-from tests.recording_store import RecordingStore, stall_forever
+from tests.support.recording_store import RecordingStore, stall_forever
 from tests.test_publisher import trainer_states
 
 

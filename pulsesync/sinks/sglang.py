@@ -9,12 +9,25 @@ See SGLang's "SGLang for RL Systems" guide for these endpoints.
 
 from __future__ import annotations
 
-import aiohttp
+from typing import Literal
 
-from pulsesync.config import SGLangSinkConfig
-from pulsesync.engines.base import Sink, Update
-from pulsesync.engines.http import post_json
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field
+
 from pulsesync.errors import EngineError
+from pulsesync.sinks.base import Sink, Update
+from pulsesync.sinks.http import post_json
+
+
+class SGLangSinkConfig(BaseModel):
+    """Tell an SGLang server to load each step's directory: pause, update_weights_from_disk, continue."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["sglang"] = "sglang"
+    url: str = Field(description="the SGLang server, e.g. http://127.0.0.1:30000")
+    pause_mode: Literal["retract", "in_place", "abort"] = Field("retract", description="how generation pauses")
+    timeout_seconds: float = Field(600.0, gt=0, description="per request")
 
 
 class SGLangSink(Sink):

@@ -24,9 +24,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.hf import load_owned
+from pulsesync.dtypes import State
+from pulsesync.model_dir import load_owned
 from pulsesync.store.base import fsync_dir, temp_path
-from pulsesync.tensors import State
 
 log = logging.getLogger("pulsesync.cache")
 STATE_FILE = "state.safetensors"

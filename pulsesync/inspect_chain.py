@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pulsesync import layout
 from pulsesync.errors import PulseSyncError
-from pulsesync.manifest import AnchorManifest, PatchManifest, parse_manifest, verify_manifest
+from pulsesync.protocol import layout
+from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest, verify_manifest
 from pulsesync.store import Store
 
 

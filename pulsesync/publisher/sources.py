@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from pulsesync.config import PublisherConfig
 from pulsesync.errors import PulseSyncError
 from pulsesync.publisher.checkpoints import find_checkpoints, incomplete_reason, load_checkpoint
-from pulsesync.publisher.core import AsyncPublisher, StepReport
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.publisher.pipeline import AsyncPublisher, StepReport
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 log = logging.getLogger("pulsesync.publisher")

@@ -19,14 +19,14 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
 
-from pulsesync import layout
 from pulsesync.codec import UndoLog, apply_patch
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import IntegrityError, NotFoundError, ReplayError
-from pulsesync.hf import INDEX_FILE, WEIGHT_SUFFIX, load_owned
-from pulsesync.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
-from pulsesync.parallel import in_thread_to_completion
+from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
+from pulsesync.protocol import layout
+from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
 from pulsesync.store import Store
+from pulsesync.threads import in_thread_to_completion
 
 
 @dataclass

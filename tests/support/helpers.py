@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from pulsesync.tensors import DTYPES, DTypeInfo
+from pulsesync.dtypes import DTYPES, DTypeInfo
 
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 

@@ -27,11 +27,9 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pulsesync import layout, metrics, signing, statecache
+from pulsesync import metrics, state_cache
 from pulsesync.codec import UndoLog, fused
-from pulsesync.config import DirectorySinkConfig, SubscriberConfig
 from pulsesync.digest import StateDigest
-from pulsesync.engines import Sink, Update, build_sinks
 from pulsesync.errors import (
     ConfigError,
     EngineError,
@@ -40,9 +38,12 @@ from pulsesync.errors import (
     ReplayError,
     StoreError,
 )
-from pulsesync.manifest import PatchManifest
-from pulsesync.reader import ChainReader
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.manifest import PatchManifest
+from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
+from pulsesync.subscriber.config import SubscriberConfig
 
 log = logging.getLogger("pulsesync.subscriber")
 _NOT_VERIFICATION = (StoreError, NotFoundError, EngineError, ConfigError)
@@ -128,7 +129,7 @@ class Subscriber:
             self._warm_up = asyncio.ensure_future(asyncio.to_thread(fused.warm_up))
         if self.config.cache_dir is None or self.state is not None:
             return
-        cached = await asyncio.to_thread(statecache.load, self.config.cache_dir, self.config.codec.threads)
+        cached = await asyncio.to_thread(state_cache.load, self.config.cache_dir, self.config.codec.threads)
         if cached is None:
             return
         log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
@@ -250,7 +251,7 @@ class Subscriber:
         log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
         if persist and self.config.cache_dir is not None:
             await asyncio.to_thread(
-                statecache.save, self.config.cache_dir, staged.step, staged.state, staged.digest, staged.files
+                state_cache.save, self.config.cache_dir, staged.step, staged.state, staged.digest, staged.files
             )
 
     # --- in-process sink -------------------------------------------------------------------------

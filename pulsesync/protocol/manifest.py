@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from pulsesync import signing
 from pulsesync.digest import StateDigest
 from pulsesync.errors import ManifestError, ReplayError, UnknownKeyError, UnsupportedVersionError
+from pulsesync.protocol import signing
 
 MANIFEST_VERSION: Literal[1] = 1
 _SHA256_HEX = r"^[0-9a-f]{64}$"

@@ -1,0 +1,26 @@
+"""Subscriber settings: trusted keys, local cache, polling and backoff, sinks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from pulsesync.config import Config
+from pulsesync.sinks import SinkConfig
+
+
+class SubscriberConfig(Config):
+    """`pulsesync subscribe` and the in-process Subscriber."""
+
+    trusted_keys: list[Path] = Field(default_factory=list, description="public keys whose manifests are accepted")
+    cache_dir: Path | None = Field(None, description="the verified state persists here; a restart resumes from it")
+    out_dir: Path | None = Field(None, description="shorthand for a `directory` sink writing here")
+    step: int | None = Field(None, ge=0, description="sync to this step instead of the newest")
+    poll_seconds: float = Field(2.0, gt=0, description="how often the daemon lists new ready markers")
+    retry_initial_seconds: float = Field(1.0, gt=0, description="first wait after a failed sync; doubles each time")
+    retry_max_seconds: float = Field(60.0, gt=0, description="longest wait between failed syncs")
+    unhealthy_after: int = Field(5, ge=1, description="consecutive failed syncs before /healthz reports unhealthy")
+    once_attempts: int = Field(3, ge=1, description="syncs --once tries before giving up")
+    sinks: list[SinkConfig] = Field(default_factory=list, description="where verified states go, in order")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics and /healthz on this port")
