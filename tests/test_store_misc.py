@@ -10,7 +10,7 @@ import pytest
 
 from pulsesync.config import Config, load_config
 from pulsesync.errors import ConfigError, StoreError
-from pulsesync.store import FileStore, S3Store, TransferProgress, open_store
+from pulsesync.store import FileStore, S3Store, TransferProgress, open_store, progress
 from pulsesync.store.base import check_key
 from pulsesync.store.config import StoreConfig
 from pulsesync.store.progress import describe, reporter
@@ -52,7 +52,11 @@ def test_progress_rate_eta_and_description() -> None:
     assert TransferProgress("k", 0, 10, 0.0).eta is None
 
 
-def test_progress_log_lines_when_not_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+def test_progress_log_lines_when_not_a_terminal(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14, item 14: the first line is logged even when the monotonic clock is younger than the interval."""
+    monkeypatch.setattr(progress.time, "monotonic", lambda: 5.0)  # a machine booted 5 s ago
     caplog.set_level(logging.INFO, "pulsesync.transfer")
     report = reporter(io.StringIO(), interval=3600)
     for done in (10, 20, 30, 100):

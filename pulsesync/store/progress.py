@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -68,7 +69,7 @@ def describe(p: TransferProgress) -> str:
 def reporter(stream: TextIO | None = None, interval: float = 5.0) -> ProgressCallback:
     """A callback that redraws a bar on a terminal, or logs a line at most every `interval` s."""
     out = stream or sys.stderr
-    last = [0.0]
+    last = [-math.inf]  # the first line is always logged (the monotonic clock may start near 0)
     if out.isatty():
 
         def bar(p: TransferProgress) -> None:
