@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pulsesync.protocol import signing
-from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
@@ -77,7 +77,7 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
             skipped = publisher.skipped
         patches = [r for r in reports if r.kind == "patch"]
         newest = max(r.step for r in reports)
-        reader = ChainReader(FileStore(tmp), signing.trusted_keys([key.public_key()]))
+        reader = ChainClient(FileStore(tmp), signing.trusted_keys([key.public_key()]))
         rebuilt = asyncio.run(reader.reconstruct(newest))
         for name, t in states[newest].items():
             assert torch.equal(rebuilt.state[name].view(torch.int16), t.view(torch.int16)), name

@@ -133,7 +133,7 @@ async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, tor
         fast.append(result.seconds)
         fast_excl.append(result.seconds - (store.read_seconds - read_before))
         patch_bytes.append(result.bytes_downloaded)
-    anchor = await sub.reader.manifest(0, "anchor")
+    anchor = await sub.chain.manifest(0, "anchor")
     assert isinstance(anchor, AnchorManifest)
     shards = [ref for ref in anchor.objects if ref.key.endswith(".safetensors")]
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-full-") as spool:

@@ -205,7 +205,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     from pulsesync.errors import ConfigError
     from pulsesync.protocol import signing
-    from pulsesync.protocol.chain import ChainReader
+    from pulsesync.protocol.chain import ChainClient
     from pulsesync.store import open_store
 
     config = _subscriber_config(args)
@@ -214,7 +214,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with open_store(config.store) as store:
-            reader = ChainReader(store, signing.trusted_keys(config.trusted_keys), threads=config.codec.threads or 1)
+            reader = ChainClient(store, signing.trusted_keys(config.trusted_keys), threads=config.codec.threads or 1)
             rebuilt = await reader.reconstruct(args.step)
             report = {
                 "step": rebuilt.step,

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulsesync.codec import CodecParams
 from pulsesync.errors import ConflictError
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import parse_manifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
@@ -157,7 +157,7 @@ async def _demo(
         await publisher.close()
         truth = trainer.state()
         equal = {name: s.state is not None and _bits_equal(s.state, truth) for name, s in subs.items()}
-        rebuilt = await ChainReader(store, trusted).reconstruct()
+        rebuilt = await ChainClient(store, trusted).reconstruct()
         equal["store"] = rebuilt.step == steps and _bits_equal(rebuilt.state, truth)
         full = dense * steps
         out("")
@@ -167,11 +167,11 @@ async def _demo(
             "paths taken": {
                 n: ", ".join(f"{k} x{v}" for k, v in sorted(paths[n].items()) if k != "up-to-date") for n in subs
             },
-            "manifests verified": {n: str(s.reader.manifests_verified) for n, s in subs.items()},
+            "manifests verified": {n: str(s.chain.manifests_verified) for n, s in subs.items()},
             "fallbacks": {
                 n: ", ".join(f"{k} x{v}" for k, v in s.status.fallbacks.items()) or "0" for n, s in subs.items()
             },
-            "bytes downloaded": {n: f"{s.reader.bytes_downloaded:,}" for n, s in subs.items()},
+            "bytes downloaded": {n: f"{s.chain.bytes_downloaded:,}" for n, s in subs.items()},
             "bitwise equal to trainer": {n: "yes" if equal[n] else "NO" for n in subs},
         }
         for label, cells in rows.items():

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsesync.errors import PulseSyncError
 from pulsesync.protocol import layout
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest, verify_manifest
 from pulsesync.store import Store
 
@@ -41,12 +42,10 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
     now = dt.datetime.now(dt.timezone.utc)
     manifests: dict[tuple[int, str], PatchManifest | AnchorManifest] = {}
     rows: list[ChainRow] = []
-    async for info in store.list("ready/"):
-        entry = layout.parse_ready_key(info.key)
-        if entry is None:
-            continue
+    chain = ChainClient(store, trusted or {})
+    for entry, info in await chain.refresh(from_start=True):
         name = f"{store.url}{info.key}"
-        data = await store.get(info.key)
+        data = await chain.marker(entry.step, entry.kind)
         verified: bool | None = None
         error = None
         try:
@@ -83,7 +82,8 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
     bases = {step: m.base_step for (step, _), m in manifests.items() if isinstance(m, PatchManifest)}
     for row in rows:
         if row.kind == "patch" and row.step in bases:  # not an unreadable manifest
-            row.chains_from = layout.walk_to_anchor(bases[row.step], anchors, bases)[1]
+            walk = layout.walk_known(bases[row.step], anchors.__contains__, bases)
+            row.chains_from = walk.end if walk.complete else None
     return rows
 
 

@@ -21,7 +21,7 @@ from pulsesync.codec import CodecParams, UndoLog, apply_patch, encode_patch
 from pulsesync.digest import state_digest
 from pulsesync.dtypes import dtype_info
 from pulsesync.protocol import signing
-from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks.vllm import INDEX_SUFFIX, apply_update, build_update
@@ -88,7 +88,7 @@ def test_a_trainer_on_cuda_publishes_a_chain_a_subscriber_rebuilds_and_applies_t
     trusted = signing.trusted_keys([key.public_key()])
 
     async def sync_all() -> Subscriber:
-        reader = ChainReader(FileStore(tmp_path), trusted)
+        reader = ChainClient(FileStore(tmp_path), trusted)
         rebuilt = await reader.reconstruct(4)  # anchor 3 + patch 4
         assert rebuilt.anchor_step == 3 and rebuilt.patches_applied == 1
         assert_states_equal(rebuilt.state, states[4])

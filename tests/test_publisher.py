@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 
 from pulsesync.errors import ConflictError, StoreError
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, verify_manifest
 from pulsesync.publisher import AsyncPublisher, Publisher
 from pulsesync.publisher.config import PublisherConfig
@@ -91,7 +91,7 @@ async def ready_kinds(store: Store) -> dict[int, set[str]]:
 
 
 async def assert_every_step_rebuilds(store: Store, key: Ed25519PrivateKey, states: tuple[dict, ...]) -> None:
-    reader = ChainReader(store, trusted(key))  # type: ignore[arg-type]
+    reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
     for step in await reader.ready():
         rebuilt = await reader.reconstruct(step)
         assert_states_equal(rebuilt.state, states[step])
@@ -175,7 +175,7 @@ async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, k
     patch6 = verify_manifest(await store.get(layout.ready_key(6, "patch")), trusted(key))  # type: ignore[arg-type]
     assert isinstance(patch6, PatchManifest) and patch6.base_step == 4
     # A subscriber at step 4 applies patch 6 cleanly and lands bitwise on the trainer's step 6.
-    reader = ChainReader(store, trusted(key))  # type: ignore[arg-type]
+    reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
     at4 = await reader.reconstruct(4)
     digest = await reader.apply(at4.state, at4.digest, patch6)
     assert digest.root == patch6.state_digest.root
@@ -347,25 +347,25 @@ def test_kill_9_between_payload_and_marker_leaves_no_step_and_the_next_run_conti
     asyncio.run(assert_every_step_rebuilds(store, key, trainer_states(13)))
 
 
-def test_snapshot_pool_recycles_only_released_buffers() -> None:
-    from pulsesync.publisher.host_copy import SnapshotPool
+def test_host_copy_pool_recycles_only_released_buffers() -> None:
+    from pulsesync.publisher.host_copy import HostCopyPool
 
-    pool = SnapshotPool(keep=1)
+    pool = HostCopyPool(keep=1)
     a, b = trainer_states(2)
-    first = pool.snapshot(a)
+    first = pool.copy(a)
     assert_states_equal(first, a)
     pool.retain(first)
     pool.release(first)  # still held once
-    second = pool.snapshot(b)
+    second = pool.copy(b)
     assert second is not first
     pool.release(first)
-    third = pool.snapshot(b)
+    third = pool.copy(b)
     assert third is first  # the released buffers took the copy
     assert_states_equal(third, b)
     assert_states_equal(second, b)
     other_shape = {"x": torch.zeros(3, dtype=torch.bfloat16)}
     pool.release(third)
-    assert pool.snapshot(other_shape) is not third  # a different layout never reuses them
+    assert pool.copy(other_shape) is not third  # a different layout never reuses them
 
 
 async def test_resume_publishes_an_anchor_when_the_chain_cannot_be_rebuilt(
@@ -380,5 +380,5 @@ async def test_resume_publishes_an_anchor_when_the_chain_cannot_be_rebuilt(
         await publisher.publish(3, states[3])
     assert "cannot rebuild step 2" in caplog.text
     assert [(r.step, r.kind, r.ok) for r in publisher.reports] == [(3, "anchor", True)]
-    rebuilt = await ChainReader(store, trusted(key)).reconstruct(3)  # type: ignore[arg-type]
+    rebuilt = await ChainClient(store, trusted(key)).reconstruct(3)  # type: ignore[arg-type]
     assert_states_equal(rebuilt.state, states[3])

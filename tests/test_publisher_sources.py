@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pulsesync.cli import main
 from pulsesync.errors import ConfigError
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
@@ -102,7 +102,7 @@ async def test_watch_publishes_checkpoints_that_save_pretrained_writes_in_a_subp
     assert all(r.ok for r in reports)
 
     store = FileStore(store_dir)
-    reader = ChainReader(store, signing.trusted_keys([tmp_path / "publisher.pub"]))
+    reader = ChainClient(store, signing.trusted_keys([tmp_path / "publisher.pub"]))
     for step in range(1, steps + 1):
         on_disk = {}
         for shard in sorted((ckpts / f"checkpoint-{step}").glob("*.safetensors")):
@@ -213,7 +213,7 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
     with pytest.raises(ConfigError, match=f"metrics_port {port}: cannot serve"):
         Publisher(config)  # the port is taken: a clear error at start, not a traceback
 
-    reader = ChainReader(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
+    reader = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
     ready = asyncio.run(reader.ready())
     assert ready == {1: {"anchor"}, 2: {"patch"}, 3: {"patch", "anchor"}}
     final = asyncio.run(reader.reconstruct(3))
@@ -229,7 +229,7 @@ def test_cli_publish_synthetic_trainer_steps(tmp_path: Path, capsys: pytest.Capt
     assert len(capsys.readouterr().out.splitlines()) == 4  # anchor 0, patches 1 and 2, anchor 2
     # A restart continues the numbering after the newest step (and anchors anew).
     assert main(["publish", *flags, "--synthetic", "--interval", "0", "--max-steps", "1"]) == 0
-    reader = ChainReader(FileStore(store), signing.trusted_keys([key_dir / "publisher.pub"]))
+    reader = ChainClient(FileStore(store), signing.trusted_keys([key_dir / "publisher.pub"]))
     ready = asyncio.run(reader.ready())
     assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"anchor"}}
     assert asyncio.run(reader.reconstruct()).step == 3

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from pulsesync.errors import StoreError
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainReader
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
@@ -47,11 +47,11 @@ async def publish(pub: AsyncPublisher, steps: list[int]) -> None:
 
 
 async def ready_steps(store: Store) -> dict[int, set[str]]:
-    return {s: set(k) for s, k in (await ChainReader(store, TRUSTED).ready()).items()}
+    return {s: set(k) for s, k in (await ChainClient(store, TRUSTED).ready()).items()}
 
 
 async def assert_every_ready_step_reconstructs(store: Store) -> None:
-    reader = ChainReader(store, TRUSTED)
+    reader = ChainClient(store, TRUSTED)
     for step in sorted(await reader.ready()):
         rebuilt = await reader.reconstruct(step)
         assert_states_equal(rebuilt.state, trainer_states(STATES)[step])
@@ -98,7 +98,7 @@ def test_retention_never_breaks_a_kept_chain(
             again = await RetentionWorker(store, policy).plan()
             assert again.deleted_objects == 0  # a second run deletes nothing
         # Nothing the kept markers do not name is left behind (grace 0: payloads went at once).
-        reader = ChainReader(store, TRUSTED)
+        reader = ChainClient(store, TRUSTED)
         named = set()
         for step, kinds in (await reader.ready()).items():
             for kind in kinds:

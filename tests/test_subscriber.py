@@ -105,7 +105,7 @@ async def test_fast_chain_slow_and_cold_start_paths_end_bitwise_equal(
     late = subscriber(store, key)
     result = await late.sync()
     assert (result.path, result.step) == ("slow", 8)
-    anchor5 = await late.reader.manifest(5, "anchor")
+    anchor5 = await late.chain.manifest(5, "anchor")
     assert result.bytes_downloaded > anchor5.sizes.wire_bytes  # anchor 5 + patches 6..8, not anchor 0
     assert_serving(late, 8)
     assert late.files == {"config.json": b'{"model_type": "t"}'}
@@ -253,7 +253,7 @@ async def test_restart_resumes_from_the_persisted_state_without_an_anchor(
     assert_serving(restarted, 7)
     result = await restarted.sync()
     assert (result.path, result.step) == ("fast", 8)
-    patch8 = await restarted.reader.manifest(8, "patch")
+    patch8 = await restarted.chain.manifest(8, "patch")
     assert result.bytes_downloaded < 4 * patch8.sizes.wire_bytes  # manifests + one patch, no anchor
     assert_serving(restarted, 8)
     # A damaged cache is discarded: the next start takes the slow path.

@@ -11,7 +11,7 @@ import torch
 
 from pulsesync.codec import fused
 from pulsesync.codec.format import ESCAPE, SMALL_ESCAPE, ValueCoding
-from pulsesync.dtypes import DTypeInfo
+from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH, DTypeInfo
 from pulsesync.errors import CorruptPatchError
 
 
@@ -83,12 +83,9 @@ def decode_values_(old: torch.Tensor, coded: torch.Tensor, info: DTypeInfo, codi
     return to_ordered_(old, info)
 
 
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 def zigzag(signed: np.ndarray) -> np.ndarray:
     """0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (unsigned of the same width; exact, modular)."""
-    u = signed.view(_UNSIGNED[signed.itemsize])
+    u = signed.view(NP_UINT_OF_WIDTH[signed.itemsize])
     sign = signed >> np.array(8 * signed.itemsize - 1, signed.dtype)  # 0 or -1, same dtype
     zigzagged: np.ndarray = (u << np.array(1, u.dtype)) ^ sign.view(u.dtype)
     return zigzagged
@@ -125,7 +122,7 @@ def pack_small(coded: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
     ~90% of RL updates move by one ULP, so this gets close to the values' entropy where a
     byte-wise Huffman coder cannot go below 1 bit per value.
     """
-    sym = coded.view(_UNSIGNED[coded.itemsize]) - np.array(offset, _UNSIGNED[coded.itemsize])
+    sym = coded.view(NP_UINT_OF_WIDTH[coded.itemsize]) - np.array(offset, NP_UINT_OF_WIDTH[coded.itemsize])
     big = sym >= SMALL_ESCAPE
     codes = np.minimum(sym, SMALL_ESCAPE).astype(np.uint8)
     codes = np.concatenate([codes, np.zeros(-codes.size % 4, np.uint8)]).reshape(-1, 4)
@@ -135,7 +132,6 @@ def pack_small(coded: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
 
 # Byte -> its four 2-bit codes, lowest first.
 _CODES_OF_BYTE = (np.arange(256, dtype=np.uint8)[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
-_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _row_table(rows: np.ndarray) -> np.ndarray:
@@ -150,23 +146,23 @@ def _lookup(table: np.ndarray, packed: np.ndarray, count: int, dtype: type[np.in
     return values
 
 
-_CODE_TABLES = {width: _row_table(_CODES_OF_BYTE.astype(dtype)) for width, dtype in _UNSIGNED.items()}
+_CODE_TABLES = {width: _row_table(_CODES_OF_BYTE.astype(dtype)) for width, dtype in NP_UINT_OF_WIDTH.items()}
 
 
 def _delta_rows(width: int) -> np.ndarray:
-    deltas = unzigzag(_CODES_OF_BYTE.astype(_UNSIGNED[width]) + 1, _SIGNED[width])
+    deltas = unzigzag(_CODES_OF_BYTE.astype(NP_UINT_OF_WIDTH[width]) + 1, NP_INT_OF_WIDTH[width])
     deltas[_CODES_OF_BYTE == SMALL_ESCAPE] = 0
     return _row_table(deltas)
 
 
 # Offset-1 delta codes straight to signed deltas (codes 0..2 -> unzigzag(1..3) = -1, 1, -2), and
 # the escape code to 0, which no changed element codes to: one lookup, then fill in the escapes.
-_DELTA_TABLES = {width: _delta_rows(width) for width in _UNSIGNED}
+_DELTA_TABLES = {width: _delta_rows(width) for width in NP_UINT_OF_WIDTH}
 
 
 def unpack_small(packed: np.ndarray, count: int, escapes: np.ndarray, offset: int, where: str) -> np.ndarray:
     """Inverse of pack_small: unsigned values of the escapes' dtype."""
-    sym = _lookup(_CODE_TABLES[escapes.itemsize], packed, count, _UNSIGNED[escapes.itemsize])
+    sym = _lookup(_CODE_TABLES[escapes.itemsize], packed, count, NP_UINT_OF_WIDTH[escapes.itemsize])
     big = sym == SMALL_ESCAPE
     if int(np.count_nonzero(big)) != escapes.size:
         raise CorruptPatchError(f"{where}: {_VALUE_ESCAPES_MISMATCH}")
@@ -194,7 +190,7 @@ def check_escape_count(packed: np.ndarray, count: int, escapes: int, where: str)
 
 def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, offset: int, where: str) -> np.ndarray:
     """unzigzag(unpack_small(...)) as signed values; one table lookup when offset is 1 (sparse records)."""
-    signed = _SIGNED[escapes.itemsize]
+    signed = NP_INT_OF_WIDTH[escapes.itemsize]
     if offset != 1:
         return unzigzag(unpack_small(packed, count, escapes, offset, where), signed)
     deltas = _lookup(_DELTA_TABLES[escapes.itemsize], packed, count, signed)

@@ -28,12 +28,10 @@ from pulsesync.codec.format import (
     payload_hash,
 )
 from pulsesync.digest import DigestAlgorithm, StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
-from pulsesync.dtypes import describe
+from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH, describe
 from pulsesync.errors import CorruptPatchError, IntegrityError
 from pulsesync.threads import parallel_map, submit_beside
 
-_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _local = threading.local()
 
 
@@ -185,7 +183,7 @@ def check_target(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> N
 def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
     """Decompress and unpack one record's payload (sizes are exact or CorruptPatchError)."""
     if h.raw_len == 0:  # END/REMOVE, or an added/replaced empty tensor
-        empty = np.empty(0, _NP_INT[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
+        empty = np.empty(0, NP_INT_OF_WIDTH[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
         return PatchRecord(h, None, empty)
     where = f"record for tensor {h.name!r} at element {h.start}"
     try:
@@ -214,11 +212,11 @@ def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
 
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
     """n coded values (signed ints of the dtype's width) from byte planes or packed codes."""
-    np_int = _NP_INT[h.info.width]
+    np_int = NP_INT_OF_WIDTH[h.info.width]
     if not h.coding.packed:
         return bits.from_planes(buf, n, np_int)
     packed_len = (n + 3) // 4
-    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, _NP_UINT[h.info.width])
+    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, NP_UINT_OF_WIDTH[h.info.width])
     if h.coding == ValueCoding.DELTA:
         return bits.unpack_small_deltas(buf[:packed_len], n, escaped, offset, where)
     return bits.unpack_small(buf[:packed_len], n, escaped, offset, where).view(np_int)

@@ -1,8 +1,8 @@
-"""Reading the published chain: ready listing, verified manifests and objects, anchors, reconstruction.
+"""The chain client: ready listing, verified manifests and objects, link walking, anchors, reconstruction.
 
 Everything read is checked before use: manifests against trusted keys, objects against the size
 and SHA-256 their manifest lists, states against the manifest's state digest. Shared by the
-publisher (resume), the subscriber and `pulsesync verify`.
+publisher, the subscriber, retention, `pulsesync inspect` and `pulsesync verify`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,25 +25,27 @@ from pulsesync.errors import IntegrityError, NotFoundError, ReplayError
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
-from pulsesync.store import Store
+from pulsesync.store import ObjectInfo, Store
 from pulsesync.threads import in_thread_to_completion
+from pulsesync.verified import VerifiedState
 
 
 @dataclass
-class Reconstructed:
+class Reconstruction(VerifiedState):
     """A state rebuilt from the store and verified, with where its chain starts."""
 
-    step: int
-    state: dict[str, torch.Tensor]
-    digest: StateDigest
-    anchor_step: int
-    patches_applied: int
-    files: dict[str, bytes]  # the anchor's non-weight files (config.json, tokenizer files, ...)
+    anchor_step: int = -1
+    patches_applied: int = 0
 
 
 @dataclass
-class ChainReader:
-    """Verified reads of one store prefix; ready markers are listed incrementally."""
+class ChainClient:
+    """The one client of a prefix's chain: incremental ready listing, verified reads, link walking, rebuilds.
+
+    Used by the subscriber, the publisher (second-publisher detection, resume), retention and
+    `inspect`/`verify`. Ready markers are listed incrementally: each refresh lists only the keys
+    after the last one seen.
+    """
 
     store: Store
     trusted: Mapping[str, Ed25519PublicKey]
@@ -54,28 +56,53 @@ class ChainReader:
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
 
-    async def ready(self) -> dict[int, set[layout.Kind]]:
-        """Ready steps and their kinds, refreshed with one listing after the last key seen."""
-        async for info in self.store.list("ready/", start_after=self._last_key):
+    # --- the ready listing ---------------------------------------------------------------------
+    async def refresh(self, *, from_start: bool = False) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:
+        """List the ready markers after the last key seen (every one with from_start); returns those found."""
+        if from_start:
+            self._ready, self._last_key = {}, None
+        found = []
+        async for info in self.store.list(layout.READY_PREFIX, start_after=self._last_key):
             self._last_key = info.key
             if entry := layout.parse_ready_key(info.key):
                 self._ready.setdefault(entry.step, set()).add(entry.kind)
+                found.append((entry, info))
+        return found
+
+    @property
+    def last_listed(self) -> str | None:
+        """The last key the ready listing has passed (markers up to it are known)."""
+        return self._last_key
+
+    async def ready(self) -> dict[int, set[layout.Kind]]:
+        """Ready steps and their kinds, refreshed with one listing after the last key seen."""
+        await self.refresh()
         return self._ready
+
+    def _forget(self, step: int, kind: layout.Kind) -> None:
+        kinds = self._ready.get(step, set())
+        kinds.discard(kind)
+        if not kinds:
+            self._ready.pop(step, None)
+
+    # --- manifests -----------------------------------------------------------------------------
+    async def marker(self, step: int, kind: layout.Kind) -> bytes:
+        """The raw bytes of a ready marker, not yet verified; a marker gone since it was listed is forgotten."""
+        key = layout.ready_key(step, kind)
+        try:
+            data = await self.store.get(key)
+        except NotFoundError:  # removed by retention since it was listed
+            self._forget(step, kind)
+            raise
+        self.bytes_downloaded += len(data)
+        return data
 
     async def manifest(
         self, step: int, kind: layout.Kind, newer_than: int | None = None
     ) -> PatchManifest | AnchorManifest:
         """The verified manifest of a step's patch or anchor."""
         key = layout.ready_key(step, kind)
-        try:
-            data = await self.store.get(key)
-        except NotFoundError:  # removed by retention since it was listed: forget it
-            kinds = self._ready.get(step, set())
-            kinds.discard(kind)
-            if not kinds:
-                self._ready.pop(step, None)
-            raise
-        self.bytes_downloaded += len(data)
+        data = await self.marker(step, kind)
         manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
         if manifest.step < step:  # an old, validly signed manifest put back under a newer key
             raise ReplayError(f"{self.store.url}{key}: holds the manifest of the older step {manifest.step} (replay)")
@@ -84,6 +111,28 @@ class ChainReader:
         self.manifests_verified += 1
         self.published_at[step] = manifest.created
         return manifest
+
+    async def walk(
+        self, start: int, stop_at: Callable[[int], bool], newer_than: int | None = None
+    ) -> tuple[layout.Walk, list[PatchManifest]]:
+        """Follow base_step links from `start` (layout.walk_links) with verified patch manifests.
+
+        Returns the walk and the manifests passed through, oldest first (the order to apply them).
+        """
+        walker = layout.walk_links(start, stop_at)
+        links: list[PatchManifest] = []
+        try:
+            at = next(walker)
+            while True:
+                base = None
+                if "patch" in self._ready.get(at, ()):
+                    link = await self.manifest(at, "patch", newer_than)
+                    assert isinstance(link, PatchManifest)
+                    links.append(link)
+                    base = link.base_step
+                at = walker.send(base)
+        except StopIteration as done:
+            return done.value, links[::-1]
 
     async def fetch(self, ref: ObjectRef) -> bytes:
         """An object's bytes, checked against the size and SHA-256 its manifest lists."""
@@ -157,26 +206,20 @@ class ChainReader:
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
         return new
 
-    async def reconstruct(self, step: int | None = None) -> Reconstructed:
+    async def reconstruct(self, step: int | None = None) -> Reconstruction:
         """Rebuild a ready step (default: the newest) from the nearest anchor on its chain, verifying every link."""
         ready = await self.ready()
         if not ready:
             raise NotFoundError(f"{self.store.url}: no ready steps")
         target = max(ready) if step is None else step
-        links: list[PatchManifest] = []
-        at = target
-        while "anchor" not in ready.get(at, ()):  # walk base_step links back to an anchor
-            if "patch" not in ready.get(at, ()):
-                raise NotFoundError(f"{self.store.url}: step {at} is not ready, so step {target} cannot be rebuilt")
-            link = await self.manifest(at, "patch")
-            assert isinstance(link, PatchManifest)
-            links.append(link)
-            at = link.base_step
-        anchor = await self.manifest(at, "anchor")
+        walk, links = await self.walk(target, lambda s: "anchor" in ready.get(s, ()))
+        if not walk.complete:
+            raise NotFoundError(f"{self.store.url}: step {walk.end} is not ready, so step {target} cannot be rebuilt")
+        anchor = await self.manifest(walk.end, "anchor")
         assert isinstance(anchor, AnchorManifest)
         state, digest, files = await self.load_anchor(anchor)
-        digest = await self.apply_chain(state, digest, links[::-1])
-        return Reconstructed(target, state, digest, at, len(links), files)
+        digest = await self.apply_chain(state, digest, links)
+        return Reconstruction(target, state, digest, files, walk.end, len(links))
 
     async def apply_chain(
         self,

@@ -14,7 +14,7 @@ and the ready marker, written last with put-if-absent, decides which object set 
 from __future__ import annotations
 
 import re
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +22,7 @@ Kind = Literal["patch", "anchor"]
 STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
 _RUN_ID_RE = re.compile(r"^[0-9a-z]{1,32}$")
+READY_PREFIX = "ready/"
 _READY_RE = re.compile(r"^(\d{12})\.(patch|anchor)\.json$")
 
 
@@ -64,7 +65,7 @@ def anchor_dir(step: int, run_id: str) -> str:
 
 def ready_key(step: int, kind: Kind) -> str:
     """Key of a step's ready marker (its signed manifest)."""
-    return f"ready/{step_name(step)}.{kind}.json"
+    return f"{READY_PREFIX}{step_name(step)}.{kind}.json"
 
 
 @dataclass(frozen=True, order=True)
@@ -77,7 +78,7 @@ class ReadyEntry:
 
 def parse_ready_key(key: str) -> ReadyEntry | None:
     """(step, kind) of a ready-marker key relative to the prefix, or None if it is not one."""
-    name = key.removeprefix("ready/")
+    name = key.removeprefix(READY_PREFIX)
     match = _READY_RE.match(name) if name != key else None
     if match is None:
         return None
@@ -106,17 +107,40 @@ def tombstone_key(step: int, kind: Kind) -> str:
     return f"{TOMBSTONE_PREFIX}{step_name(step)}.{kind}.json"
 
 
-def walk_to_anchor(at: int, anchors: Container[int], bases: Mapping[int, int]) -> tuple[list[int], int | None]:
-    """Follow base_step links from step `at` to the first step with an anchor.
+@dataclass(frozen=True)
+class Walk:
+    """Where following base_step links from a step ended."""
 
-    `bases` maps each patch's step to its base_step. Returns the patch steps passed through (from
-    `at` down) and the anchor step reached, or None for the anchor when a link is missing.
+    patches: list[int]  # the patch steps passed through, from the start down
+    end: int  # the step the walk stopped at
+    complete: bool  # False: `end` has no ready patch, so the chain is broken there
+
+
+def walk_links(start: int, stop_at: Callable[[int], bool]) -> Generator[int, int | None, Walk]:
+    """Follow base_step links from `start` until `stop_at(step)` holds: the one link walker (pure, sans-I/O).
+
+    Yields each step whose base it needs and is sent that step's base_step, or None where the
+    step has no ready patch; returns the Walk. Callers that know every link use walk_known; the
+    chain client drives it with verified manifests fetched one link at a time.
     """
     patches: list[int] = []
-    while at not in anchors:
-        base = bases.get(at)
+    at = start
+    while not stop_at(at):
+        base = yield at
         if base is None:
-            return patches, None
+            return Walk(patches, at, complete=False)
         patches.append(at)
         at = base
-    return patches, at
+    return Walk(patches, at, complete=True)
+
+
+def walk_known(start: int, stop_at: Callable[[int], bool], bases: Mapping[int, int]) -> Walk:
+    """walk_links over links already known: `bases` maps each patch's step to its base_step."""
+    walker = walk_links(start, stop_at)
+    try:
+        at = next(walker)
+        while True:
+            at = walker.send(bases.get(at))
+    except StopIteration as done:
+        walk: Walk = done.value
+        return walk

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from pulsesync.atomic_files import write_file
 from pulsesync.errors import ConfigError, ConflictError, SignatureError
 
 PRIVATE_KEY_FILE = "publisher.key"
@@ -42,16 +42,10 @@ def verify(public_key: Ed25519PublicKey, payload: bytes, signature: str, what: s
 
 
 def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL)
     try:
-        fd = os.open(path, flags, mode)
+        write_file(path, data, exclusive=not force, mode=mode)
     except FileExistsError:
         raise ConflictError(f"{path} already exists (pass --force to overwrite)") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(path, mode)  # O_CREAT's mode is masked by umask and ignored for existing files
 
 
 def write_keypair(out_dir: Path, force: bool = False) -> tuple[Path, Path, str]:

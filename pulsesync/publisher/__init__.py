@@ -1,5 +1,12 @@
-"""The publisher daemon and in-process API: patches every step, anchors every k, ready markers last."""
+"""The publisher: patches every step, anchors every k, ready markers last.
 
-from pulsesync.publisher.pipeline import AsyncPublisher, FileSource, Publisher, StepReport
+`pipeline` runs the steps; `schedule` decides anchors (pure); `commit` builds manifests and
+writes ready markers; `resume` rebuilds the baseline; `host_copy` takes the trainer's state;
+`report` is what a step did; `sources` and `checkpoints` feed it from a process beside a trainer.
+"""
 
-__all__ = ["AsyncPublisher", "FileSource", "Publisher", "StepReport"]
+from pulsesync.publisher.host_copy import HostCopy
+from pulsesync.publisher.pipeline import AsyncPublisher, FileSource, Publisher
+from pulsesync.publisher.report import StepReport
+
+__all__ = ["AsyncPublisher", "FileSource", "HostCopy", "Publisher", "StepReport"]

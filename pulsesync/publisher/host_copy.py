@@ -1,8 +1,8 @@
-"""Host snapshots of a state: the only work publish() does on the trainer's thread.
+"""Host copies of a state: the only work publish() does on the trainer's thread.
 
-Snapshots are copied into recycled host buffers: fresh memory costs a page fault per 4 KiB (and
+States are copied into recycled host buffers: fresh memory costs a page fault per 4 KiB (and
 pinned memory a cudaHostAlloc), several times more than the copy itself. The pipeline releases a
-snapshot when nothing holds it any more (superseded baseline, skipped or failed step, finished
+copy when nothing holds it any more (superseded baseline, skipped or failed step, finished
 background anchor), and its buffers take the next copy. CUDA tensors are copied into pinned
 buffers with non-blocking copies and one synchronize per device, so publish() returns only once
 every byte is on the host (the trainer may overwrite its weights right after).
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +25,8 @@ def _signature(items: list[tuple[str, torch.Size, torch.dtype]], pinned: bool) -
     return (tuple(items), pinned)
 
 
-class SnapshotPool:
-    """Copies states into host buffers and recycles the buffers of released snapshots."""
+class HostCopyPool:
+    """Copies states into host buffers and recycles the buffers of released copies."""
 
     def __init__(self, keep: int = 2) -> None:
         self._keep = keep  # free buffer sets kept for reuse; more are returned to the allocator
@@ -33,7 +34,7 @@ class SnapshotPool:
         self._refs: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def snapshot(self, state: State) -> Buffers:
+    def copy(self, state: State) -> Buffers:
         """A contiguous host copy of every tensor, complete when this returns."""
         items = [(n, t.shape, t.dtype) for n, t in state.items()]
         pinned = any(t.device.type == "cuda" for t in state.values())
@@ -57,7 +58,7 @@ class SnapshotPool:
         return out
 
     def retain(self, buffers: Buffers) -> None:
-        """One more holder of a snapshot."""
+        """One more holder of a copy."""
         with self._lock:
             if id(buffers) in self._refs:
                 self._refs[id(buffers)] += 1
@@ -77,6 +78,16 @@ class SnapshotPool:
             free = self._free.setdefault(_signature(items, pinned), [])
             if len(free) < self._keep:
                 free.append(buffers)
+
+
+@dataclass
+class HostCopy:
+    """A step's state copied to host memory, queued for the pipeline (what `AsyncPublisher.submit` takes)."""
+
+    step: int
+    state: Buffers
+    seconds: float  # the copy's duration: the step report's snapshot_s
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 def dense_bytes(state: State) -> int:

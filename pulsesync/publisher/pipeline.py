@@ -1,4 +1,4 @@
-"""The publisher: snapshot on the trainer's thread; diff, encode, upload and commit in the background.
+"""The publisher pipeline: a host copy on the trainer's thread; diff, encode, upload and commit in the background.
 
 Commit protocol per step: upload the payload (under a key unique to this publisher run), then
 write the signed manifest as the ready marker with put-if-absent, and only then advance the
@@ -20,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,121 +28,28 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import metrics, state_cache
-from pulsesync.codec import FORMAT_VERSION, encode_patch, read_header
+from pulsesync.codec import encode_patch, read_header
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import State
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
 from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainReader
-from pulsesync.protocol.manifest import (
-    AnchorFormat,
-    AnchorManifest,
-    ObjectRef,
-    PatchCodec,
-    PatchManifest,
-    Sizes,
-    utc_now,
-)
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
+from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.host_copy import SnapshotPool, dense_bytes
+from pulsesync.publisher.host_copy import HostCopy, HostCopyPool, dense_bytes
+from pulsesync.publisher.report import StepReport
+from pulsesync.publisher.resume import resume_baseline
+from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.retention import RetentionWorker
 from pulsesync.store import Store, open_store
+from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.publisher")
 T = TypeVar("T")
 FileSource = Mapping[str, Path | str | bytes]
 """Files an anchor carries besides the weights: name -> path or content."""
-
-
-@dataclass
-class StepReport:
-    """What publishing one object set (a step's patch or anchor) did, for logs, metrics and callers."""
-
-    step: int
-    kind: layout.Kind
-    ok: bool = False
-    snapshot_s: float = 0.0
-    digest_s: float = 0.0
-    encode_s: float = 0.0  # patches: diff + compress; anchors: writing the shards
-    upload_s: float = 0.0
-    commit_s: float = 0.0
-    dense_bytes: int = 0
-    wire_bytes: int = 0
-    changed_elements: int = 0
-    elements: int = 0
-    skipped_total: int = 0
-    error: str | None = None
-
-    @property
-    def density(self) -> float:
-        """Changed fraction of the elements."""
-        return self.changed_elements / max(self.elements, 1)
-
-    @property
-    def ratio(self) -> float:
-        """Dense bytes per wire byte."""
-        return self.dense_bytes / max(self.wire_bytes, 1)
-
-    def sizes(self) -> Sizes:
-        """The sizes its manifest records."""
-        return Sizes(dense_bytes=self.dense_bytes, wire_bytes=self.wire_bytes, changed_elements=self.changed_elements)
-
-    def log_line(self) -> str:
-        """One logfmt line."""
-        fields: dict[str, Any] = {
-            "step": self.step,
-            "kind": self.kind,
-            "ok": str(self.ok).lower(),
-            "snapshot_s": f"{self.snapshot_s:.3f}",
-            "digest_s": f"{self.digest_s:.3f}",
-            "encode_s": f"{self.encode_s:.3f}",
-            "upload_s": f"{self.upload_s:.3f}",
-            "commit_s": f"{self.commit_s:.3f}",
-            "changed": self.changed_elements,
-            "density": f"{self.density:.5f}",
-            "dense_bytes": self.dense_bytes,
-            "wire_bytes": self.wire_bytes,
-            "ratio": f"{self.ratio:.1f}",
-            "skipped_total": self.skipped_total,
-        }
-        if self.error:
-            fields["error"] = '"' + self.error.replace('"', "'") + '"'
-        return "published " + " ".join(f"{k}={v}" for k, v in fields.items())
-
-    def record(self) -> None:
-        """Log the report and update the Prometheus metrics."""
-        (log.info if self.ok else log.warning)("%s", self.log_line())
-        if not self.ok:
-            metrics.PUBLISH_FAILURES.labels(self.kind).inc()
-            return
-        for stage in ("snapshot", "digest", "encode", "upload", "commit"):
-            metrics.PUBLISH_STAGE_SECONDS.labels(stage).observe(getattr(self, f"{stage}_s"))
-        metrics.PUBLISHED.labels(self.kind).inc()
-        metrics.WIRE_BYTES.labels(self.kind).inc(self.wire_bytes)
-        metrics.LAST_STEP.set(self.step)
-        if self.kind == "patch":
-            metrics.DENSE_BYTES.inc(self.dense_bytes)
-            metrics.CHANGED_ELEMENTS.inc(self.changed_elements)
-            metrics.LAST_DENSITY.set(self.density)
-            metrics.LAST_RATIO.set(self.ratio)
-
-
-@dataclass
-class _Baseline:
-    """The last committed state: what every subscriber can hold."""
-
-    step: int
-    state: dict[str, torch.Tensor]
-    digest: StateDigest
-
-
-@dataclass
-class _Snapshot:
-    step: int
-    state: dict[str, torch.Tensor]
-    seconds: float
-    files: dict[str, bytes] = field(default_factory=dict)
 
 
 def _read_files(files: FileSource | None) -> dict[str, bytes]:
@@ -176,21 +82,19 @@ class AsyncPublisher:
         self.last_error: PulseSyncError | None = None  # of the newest step that failed
         self._key = signing_key
         self._files = _read_files({p.name: p for p in config.extra_files})
-        self._pool = SnapshotPool(keep=config.max_pending + 1)
-        self._pending: deque[_Snapshot] = deque()
+        self._pool = HostCopyPool(keep=config.max_pending + 1)
+        self._pending: deque[HostCopy] = deque()
         self._cond: asyncio.Condition | None = None
         self._worker: asyncio.Task[None] | None = None
         self._background: asyncio.Task[None] | None = None
         self._busy = False
         self._fatal: BaseException | None = None
-        self._base: _Baseline | None = None
-        self._anchor_step = -1  # newest committed anchor of our chain
-        self._since_anchor = 0  # published steps since the last anchor was started
-        self._patch_bytes = 0  # patch bytes since then
-        self._anchor_owed = False  # a due anchor failed: try again at the next step
+        self._base: VerifiedState | None = None  # the last committed state: what every subscriber can hold
+        self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
         self._last_step = -1  # newest step accepted, ours or found in the store
-        self._seen_key: str | None = None  # newest ready marker seen in the store
-        self._own: set[str] = set()
+        trusted = signing.trusted_keys([signing_key.public_key()])
+        self._chain = ChainClient(self.store, trusted, config.codec.threads or 1)
+        self._own: set[str] = set()  # ready markers we wrote and the listing has not passed yet
         self._retention: asyncio.Task[None] | None = None
         self._stop_retention = asyncio.Event()
 
@@ -204,7 +108,9 @@ class AsyncPublisher:
         if ready:
             self._last_step = max(ready)
             if self.config.resume:
-                await self._resume(ready)
+                self._base = await resume_baseline(self._chain, ready, self.config.cache_dir, self.config.codec.threads)
+                if self._base is not None:
+                    self._schedule.resume(ready)
         metrics.serve(self.config.metrics_port)
         self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
         if self.config.retention is not None:  # the retention worker, in this process
@@ -235,8 +141,7 @@ class AsyncPublisher:
                     await self._worker
             await self.store.close()
         if self.config.cache_dir is not None and self._base is not None:
-            base = self._base
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, base.step, base.state, base.digest)
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, self._base)
 
     async def __aenter__(self) -> AsyncPublisher:
         await self.start()
@@ -251,13 +156,13 @@ class AsyncPublisher:
     async def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
         """Snapshot a state to host memory and queue it; committing happens in the background."""
         self.check_step(step)
-        await self.submit(await asyncio.to_thread(self.take_snapshot, step, state, files))
+        await self.submit(await asyncio.to_thread(self.host_copy, step, state, files))
 
-    def take_snapshot(self, step: int, state: State, files: FileSource | None = None) -> _Snapshot:
+    def host_copy(self, step: int, state: State, files: FileSource | None = None) -> HostCopy:
         """Copy a state to host memory (blocking; any thread)."""
         t0 = time.perf_counter()
-        buffers = self._pool.snapshot(state)
-        return _Snapshot(step, buffers, time.perf_counter() - t0, _read_files(files))
+        buffers = self._pool.copy(state)
+        return HostCopy(step, buffers, time.perf_counter() - t0, _read_files(files))
 
     @property
     def last_step(self) -> int:
@@ -274,8 +179,8 @@ class AsyncPublisher:
             )
         layout.step_name(step)  # range check
 
-    async def submit(self, snap: _Snapshot) -> None:
-        """Queue a snapshot: drop the oldest queued one (skip) or wait for room (block) when full."""
+    async def submit(self, snap: HostCopy) -> None:
+        """Queue a host copy: drop the oldest queued one (skip) or wait for room (block) when full."""
         assert self._cond is not None, "call start() first"
         self.check_step(snap.step)
         self._last_step = snap.step
@@ -329,7 +234,7 @@ class AsyncPublisher:
             if self._fatal is not None:
                 return
 
-    async def _publish_step(self, snap: _Snapshot) -> None:
+    async def _publish_step(self, snap: HostCopy) -> None:
         self._files |= snap.files
         t0 = time.perf_counter()
         digest = await asyncio.to_thread(
@@ -347,28 +252,25 @@ class AsyncPublisher:
             log.warning("step %d: the patch failed (%s); publishing an anchor for this step instead", snap.step, e)
             return await self._anchor_instead(snap, digest, timing)
         self._advance(snap, digest)
-        self._since_anchor += 1
-        self._patch_bytes += report.wire_bytes
-        budget = self.config.anchor_bytes_budget
-        due = self._since_anchor >= self.config.anchor_interval or (budget is not None and self._patch_bytes > budget)
-        if (due or self._anchor_owed) and (self._background is None or self._background.done()):
-            self._since_anchor, self._patch_bytes, self._anchor_owed = 0, 0, False
+        self._schedule.patch_committed(report.wire_bytes)
+        if self._schedule.due and (self._background is None or self._background.done()):
+            self._schedule.anchor_started()
             self._pool.retain(snap.state)  # released when the anchor is done
             self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest))
 
-    async def _anchor_instead(self, snap: _Snapshot, digest: StateDigest, timing: tuple[float, float]) -> None:
+    async def _anchor_instead(self, snap: HostCopy, digest: StateDigest, timing: tuple[float, float]) -> None:
         """Publish the step as an anchor (no baseline yet, or its patch failed) and advance to it."""
         await self._publish_anchor(snap.step, snap.state, digest, timing)
         self._advance(snap, digest)
-        self._since_anchor, self._patch_bytes, self._anchor_owed = 0, 0, False
+        self._schedule.anchor_started()
 
-    def _advance(self, snap: _Snapshot, digest: StateDigest) -> None:
+    def _advance(self, snap: HostCopy, digest: StateDigest) -> None:
         """Move the baseline to a committed step (never called before the ready marker is written)."""
-        old, self._base = self._base, _Baseline(snap.step, snap.state, digest)
+        old, self._base = self._base, VerifiedState(snap.step, snap.state, digest)
         if old is not None:
             self._pool.release(old.state)
 
-    async def _publish_patch(self, snap: _Snapshot, digest: StateDigest, timing: tuple[float, float]) -> StepReport:
+    async def _publish_patch(self, snap: HostCopy, digest: StateDigest, timing: tuple[float, float]) -> StepReport:
         base = self._base
         assert base is not None
         report = StepReport(snap.step, "patch", snapshot_s=timing[0], digest_s=timing[1])
@@ -387,22 +289,7 @@ class AsyncPublisher:
             t1 = time.perf_counter()
             await self.store.put(key, patch)
             t2 = time.perf_counter()
-            manifest = PatchManifest(
-                step=snap.step,
-                base_step=base.step,
-                anchor_step=self._anchor_step,
-                base_digest=base.digest.root,
-                objects=[ref],
-                state_digest=digest,
-                sizes=report.sizes(),
-                created_at=utc_now(),
-                codec=PatchCodec(
-                    format_version=FORMAT_VERSION,
-                    value_coding=params.value_coding,
-                    zstd_level=params.zstd_level,
-                    chunk_elements=params.chunk_elements,
-                ),
-            )
+            manifest = patch_manifest(snap.step, base, self._schedule.anchor_step, ref, digest, report.sizes(), params)
             await self._commit(manifest)
             report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
             report.ok = True
@@ -436,18 +323,10 @@ class AsyncPublisher:
             t2 = time.perf_counter()
             report.wire_bytes = sum(r.size for r in refs)
             shards = sum(1 for n in names if n.endswith(WEIGHT_SUFFIX))
-            manifest = AnchorManifest(
-                step=step,
-                objects=refs,
-                state_digest=digest,
-                sizes=report.sizes(),
-                created_at=utc_now(),
-                codec=AnchorFormat(shards=shards),
-            )
-            await self._commit(manifest)
+            await self._commit(anchor_manifest(step, refs, digest, report.sizes(), shards))
             report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
             report.ok = True
-            self._anchor_step = max(self._anchor_step, step)
+            self._schedule.anchor_committed(step)
         except PulseSyncError as e:
             report.error = f"{type(e).__name__}: {e}"
             raise
@@ -464,7 +343,7 @@ class AsyncPublisher:
             self._fatal = e
             log.error("anchor %d: %s", step, e)
         except PulseSyncError as e:
-            self._anchor_owed = True
+            self._schedule.anchor_failed()
             log.error("anchor %d: not published (%s: %s); retrying at the next step", step, type(e).__name__, e)
         finally:
             self._pool.release(state)
@@ -475,24 +354,16 @@ class AsyncPublisher:
 
     async def _commit(self, manifest: PatchManifest | AnchorManifest) -> None:
         """Write the signed manifest as the step's ready marker; never overwrites."""
-        key = layout.ready_key(manifest.step, manifest.kind)
-        self._own.add(key)
-        try:
-            await self.store.put_if_absent(key, manifest.signed(self._key).to_bytes())
-        except ConflictError:
-            raise ConflictError(
-                f"step {manifest.step}: {self.store.url}{key} already exists: another publisher writes to this "
-                "prefix, or step numbers were reused; nothing was overwritten"
-            ) from None
+        self._own.add(layout.ready_key(manifest.step, manifest.kind))
+        await write_ready_marker(self.store, manifest, self._key)
 
     async def _scan_ready(self) -> dict[int, set[layout.Kind]]:
-        """Ready markers written since the last scan, by step."""
+        """Ready markers other publishers wrote since the last scan, by step."""
         found: dict[int, set[layout.Kind]] = {}
-        async for info in self.store.list("ready/", start_after=self._seen_key):
-            self._seen_key = info.key
-            if (entry := layout.parse_ready_key(info.key)) and info.key not in self._own:
+        for entry, info in await self._chain.refresh():
+            if info.key not in self._own:
                 found.setdefault(entry.step, set()).add(entry.kind)
-        seen = self._seen_key or ""
+        seen = self._chain.last_listed or ""
         self._own = {k for k in self._own if k > seen}  # only markers not listed yet matter
         return found
 
@@ -504,37 +375,6 @@ class AsyncPublisher:
                 f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the chain "
                 "does not fork"
             )
-
-    async def _resume(self, ready: dict[int, set[layout.Kind]]) -> None:
-        """Rebuild the baseline as the newest committed step: from cache_dir if its digest matches, else the store."""
-        newest = max(ready)
-        anchors = [s for s, kinds in ready.items() if "anchor" in kinds]
-        trusted = signing.trusted_keys([self._key.public_key()])
-        reader = ChainReader(self.store, trusted, threads=self.config.codec.threads or 1)
-        cached = None
-        if self.config.cache_dir is not None:
-            cached = await asyncio.to_thread(state_cache.load, self.config.cache_dir, self.config.codec.threads)
-        if cached is not None and cached.step == newest:
-            manifest = await reader.manifest(newest, "patch" if "patch" in ready[newest] else "anchor")
-            if manifest.state_digest.root == cached.digest.root:
-                self._base = _Baseline(newest, cached.state, cached.digest)
-                source = f"cache {self.config.cache_dir}"
-        if self._base is None:
-            try:
-                rebuilt = await reader.reconstruct(newest)
-            except PulseSyncError as e:  # a fresh anchor restarts a valid chain; nothing is lost
-                log.warning(
-                    "cannot rebuild step %d from %s (%s); the first publish will be an anchor",
-                    newest,
-                    self.store.url,
-                    e,
-                )
-                return
-            self._base = _Baseline(rebuilt.step, rebuilt.state, rebuilt.digest)
-            source = f"anchor {rebuilt.anchor_step} + {rebuilt.patches_applied} patches"
-        self._anchor_step = max(anchors, default=-1)
-        self._since_anchor = sum(1 for s, kinds in ready.items() if "patch" in kinds and s > self._anchor_step)
-        log.info("resumed at step %d from %s (digest %s)", newest, source, self._base.digest.root)
 
 
 class Publisher:
@@ -583,7 +423,7 @@ class Publisher:
     def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
         """Copy the state to host memory on this thread and queue it; returns as soon as the copy is done."""
         self._async.check_step(step)
-        self._run(self._async.submit(self._async.take_snapshot(step, state, files)))
+        self._run(self._async.submit(self._async.host_copy(step, state, files)))
 
     def flush(self) -> None:
         """Block until every published step is committed or failed."""

@@ -15,7 +15,8 @@ import torch
 from pulsesync.errors import PulseSyncError
 from pulsesync.publisher.checkpoints import find_checkpoints, incomplete_reason, load_checkpoint
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.pipeline import AsyncPublisher, StepReport
+from pulsesync.publisher.pipeline import AsyncPublisher
+from pulsesync.publisher.report import StepReport
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 log = logging.getLogger("pulsesync.publisher")

@@ -1,6 +1,6 @@
 """Retention: prune old patches and anchors by policy without breaking a chain a subscriber may need."""
 
-from pulsesync.retention.plan import Plan, Published, Snapshot, Tombstone, kept_entries, plan
+from pulsesync.retention.plan import Plan, Published, StoreListing, Tombstone, kept_entries, plan
 from pulsesync.retention.worker import RetentionWorker
 
-__all__ = ["Plan", "Published", "RetentionWorker", "Snapshot", "Tombstone", "kept_entries", "plan"]
+__all__ = ["Plan", "Published", "RetentionWorker", "StoreListing", "Tombstone", "kept_entries", "plan"]

@@ -80,7 +80,7 @@ class Tombstone:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class StoreListing:
     """What retention knows about a store at one moment."""
 
     published: Mapping[Entry, Published]
@@ -138,10 +138,10 @@ def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) 
     def keep_patch_chain(step: int) -> None:
         keep.add((step, "patch"))
         # A step with its own anchor rebuilds from it (readers prefer it): no chain below is needed.
-        links, anchor = layout.walk_to_anchor(step if step in anchor_steps else bases[step], anchor_steps, bases)
-        keep.update((s, "patch") for s in links)
-        if anchor is not None:  # None: broken before this run; nothing here can mend it
-            keep.add((anchor, "anchor"))
+        walk = layout.walk_known(step if step in anchor_steps else bases[step], anchor_steps.__contains__, bases)
+        keep.update((s, "patch") for s in walk.patches)
+        if walk.complete:  # else broken before this run; nothing here can mend it
+            keep.add((walk.end, "anchor"))
 
     patches = sorted(bases)
     anchors = sorted(anchor_steps)
@@ -156,23 +156,23 @@ def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) 
     return keep
 
 
-def plan(snapshot: Snapshot, policy: RetentionPolicy) -> Plan:
-    """The deletion plan for a snapshot under a policy."""
-    keep = kept_entries(snapshot.published, policy)
+def plan(listing: StoreListing, policy: RetentionPolicy) -> Plan:
+    """The deletion plan for a store listing under a policy."""
+    keep = kept_entries(listing.published, policy)
     result = Plan(sorted(keep))
-    result.unmark = [p for e, p in sorted(snapshot.published.items()) if e not in keep]
+    result.unmark = [p for e, p in sorted(listing.published.items()) if e not in keep]
     grace = dt.timedelta(seconds=policy.grace_seconds)
-    due = [t for t in snapshot.tombstones if snapshot.now - t.removed_at >= grace]
+    due = [t for t in listing.tombstones if listing.now - t.removed_at >= grace]
     if policy.grace_seconds == 0:  # markers removed in this run are due at once
-        due += [Tombstone(p.step, p.kind, p.objects, snapshot.now) for p in result.unmark]
+        due += [Tombstone(p.step, p.kind, p.objects, listing.now) for p in result.unmark]
     result.purge = sorted(due, key=lambda t: (t.step, t.kind))
-    named = {key for p in snapshot.published.values() for key, _ in p.objects}
-    named |= {key for t in snapshot.tombstones for key, _ in t.objects}
+    named = {key for p in listing.published.values() for key, _ in p.objects}
+    named |= {key for t in listing.tombstones for key, _ in t.objects}
     oldest_kept = min((s for s, _ in keep), default=None)
-    for info in snapshot.payloads:
+    for info in listing.payloads:
         step = layout.step_of_payload(info.key)
         if info.key in named or step is None or oldest_kept is None or step >= oldest_kept:
             continue
-        if info.last_modified is not None and snapshot.now - info.last_modified >= grace:
+        if info.last_modified is not None and listing.now - info.last_modified >= grace:
             result.orphans.append(info)
     return result

@@ -1,4 +1,4 @@
-"""The retention worker: snapshot a store, plan (pulsesync.retention.plan), execute; once or on an interval.
+"""The retention worker: list a store, plan (pulsesync.retention.plan), execute; once or on an interval.
 
 Execution order is the protocol's: a tombstone is written before its ready marker is removed, and
 payload objects are deleted only after the grace period, tombstone last, so a crash at any point
@@ -16,8 +16,9 @@ import logging
 
 from pulsesync.errors import NotFoundError, PulseSyncError
 from pulsesync.protocol import layout
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import PatchManifest, parse_manifest
-from pulsesync.retention.plan import Entry, Plan, Published, Snapshot, Tombstone, plan
+from pulsesync.retention.plan import Entry, Plan, Published, StoreListing, Tombstone, plan
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import ObjectInfo, Store
 
@@ -30,20 +31,17 @@ class RetentionWorker:
     def __init__(self, store: Store, policy: RetentionPolicy) -> None:
         self.store = store
         self.policy = policy
+        self.chain = ChainClient(store, {})  # retention only parses manifests: it reads the chain's shape
         self._manifests: dict[str, Published] = {}  # by ready key
 
-    async def snapshot(self) -> Snapshot:
+    async def listing(self) -> StoreListing:
         """What the store holds now; ManifestError if a manifest does not parse (then nothing is planned)."""
         published: dict[Entry, Published] = {}
-        markers = [info async for info in self.store.list("ready/")]
-        for info in markers:
-            entry = layout.parse_ready_key(info.key)
-            if entry is None:
-                continue
+        for entry, info in await self.chain.refresh(from_start=True):
             known = self._manifests.get(info.key)
             if known is None:
                 try:
-                    data = await self.store.get(info.key)
+                    data = await self.chain.marker(entry.step, entry.kind)
                 except NotFoundError:
                     continue  # removed since the listing
                 manifest = parse_manifest(data, f"{self.store.url}{info.key}")
@@ -62,11 +60,11 @@ class RetentionWorker:
         payloads: list[ObjectInfo] = []
         for prefix in ("patches/", "anchors/"):
             payloads += [info async for info in self.store.list(prefix)]
-        return Snapshot(published, tombstones, payloads, dt.datetime.now(dt.timezone.utc))
+        return StoreListing(published, tombstones, payloads, dt.datetime.now(dt.timezone.utc))
 
     async def plan(self) -> Plan:
         """The plan for the store as it is now."""
-        return plan(await self.snapshot(), self.policy)
+        return plan(await self.listing(), self.policy)
 
     async def execute(self, todo: Plan) -> None:
         """Carry out a plan: tombstone then marker; due payloads then their tombstone; orphans."""

@@ -11,16 +11,13 @@ import torch
 
 from pulsesync.codec import UndoLog
 from pulsesync.digest import StateDigest
+from pulsesync.verified import VerifiedState
 
 
 @dataclass
-class Update:
+class Update(VerifiedState):
     """A verified state handed to sinks; `directory` is set once a directory sink has written it."""
 
-    step: int
-    state: dict[str, torch.Tensor]
-    digest: StateDigest
-    files: dict[str, bytes]
     previous_digest: StateDigest | None = None  # of the state served until now (None at the first)
     undo: list[UndoLog] = field(default_factory=list)  # the patches applied since then, when known
     directory: Path | None = None

@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pulsesync.atomic_files import publish_dir, replace_symlink
 from pulsesync.model_dir import write_model_dir
 from pulsesync.sinks.base import Sink, Update
-from pulsesync.store.base import fsync_dir
 from pulsesync.threads import in_thread_to_completion
 
 
@@ -59,17 +59,10 @@ class DirectorySink(Sink):
         if not final.exists():
             tmp = out / f".{final.name}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
-            names = write_model_dir(update.state, tmp, self.config.shard_size, update.files)
-            for name in names:
+            for name in write_model_dir(update.state, tmp, self.config.shard_size, update.files):
                 os.chmod(tmp / name, 0o644)  # engines in other containers often run as another user
-                with open(tmp / name, "rb") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        link = out / f".{CURRENT}.tmp-{os.getpid()}"
-        link.unlink(missing_ok=True)
-        link.symlink_to(final.name)  # relative: the directory can be mounted elsewhere
-        os.replace(link, out / CURRENT)
-        fsync_dir(out)
+            publish_dir(tmp, final)
+        replace_symlink(out / CURRENT, final.name)  # relative: the directory can be mounted elsewhere
         steps = sorted(p for p in out.iterdir() if p.name.startswith("step-") and p.is_dir())
         for old in steps[: -self.config.keep]:
             if old != final:

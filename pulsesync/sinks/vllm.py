@@ -17,7 +17,6 @@ go whole through `model.load_weights`, which maps checkpoint names to vLLM's par
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -27,12 +26,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
+from pulsesync.atomic_files import replace_with
 from pulsesync.digest import StateDigest
 from pulsesync.dtypes import State
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.http import post_json
-from pulsesync.store.base import temp_path
 
 
 class VLLMSinkConfig(BaseModel):
@@ -145,9 +144,7 @@ class VLLMSink(Sink):
             tensors = build_update(update.state, update.digest, update.previous_digest, update.changes, self._sparse_ok)
             self.config.update_dir.mkdir(parents=True, exist_ok=True)
             path = update_file_path(self.config.update_dir, update.step)
-            tmp = temp_path(path)
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
+            replace_with(path, lambda p: save_file(tensors, str(p)))
             try:
                 await self._rpc(session, "pulsesync_apply", str(path))
                 await post_json(session, f"{self.url}/reset_prefix_cache", {}, self.config.timeout_seconds)

@@ -2,7 +2,7 @@
 
 A store is a flat key space under a prefix. Keys are relative to the prefix, use "/" as the
 separator and never start with "/" or contain "." or ".." segments. Every backend passes one
-conformance suite (pulsesync/store/testing.py).
+conformance suite (pulsesync.store.testing).
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
-import os
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, ClassVar
 
+from pulsesync.atomic_files import AtomicFile
 from pulsesync.errors import IntegrityError, NotFoundError, StoreError
 from pulsesync.store.progress import ProgressCallback
 
@@ -129,31 +128,11 @@ class Store(ABC):
 Chunks = AsyncIterator[bytes] | AsyncIterator[list[bytes]]  # in order; a list is one part's chunks
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or link in a directory durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temp_path(path: Path) -> Path:
-    """A unique hidden sibling of path for atomic writes."""
-    return path.with_name(f".{path.name}.pulsesync-tmp-{uuid.uuid4().hex}")
-
-
 def _append(f: BinaryIO, sha: hashlib._Hash, chunks: bytes | list[bytes]) -> int:
     for chunk in [chunks] if isinstance(chunks, bytes) else chunks:
         f.write(chunk)
         sha.update(chunk)
     return len(chunks) if isinstance(chunks, bytes) else sum(map(len, chunks))
-
-
-def _finish(f: BinaryIO) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
 
 
 async def write_atomically(
@@ -163,25 +142,20 @@ async def write_atomically(
     size: int,
     expected_sha256: str | None,
 ) -> TransferResult:
-    """Write chunks to a temp file beside path while hashing, check size and hash, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
+    """Write chunks to path atomically while hashing; size and hash are checked before the file appears."""
+    out = AtomicFile(path)
     sha = hashlib.sha256()
     written = 0
-    f = open(tmp, "wb")  # noqa: SIM115 - closed by _finish or below
     try:
         async for chunk in chunks:  # in order; hashing 16 MiB takes ~10 ms, so off the event loop
-            written += await asyncio.to_thread(_append, f, sha, chunk)
-        await asyncio.to_thread(_finish, f)
+            written += await asyncio.to_thread(_append, out.file, sha, chunk)
         digest = sha.hexdigest()
         if written != size:
             raise IntegrityError(f"download {key}: got {written} bytes, the object has {size}")
         if expected_sha256 is not None and digest != expected_sha256:
             raise IntegrityError(f"download {key}: SHA-256 {digest} does not match the expected {expected_sha256}")
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
     except BaseException:
-        f.close()
-        tmp.unlink(missing_ok=True)
+        out.discard()
         raise
+    await asyncio.to_thread(out.commit)
     return TransferResult(key, size, digest)

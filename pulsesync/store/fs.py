@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+from pulsesync.atomic_files import TEMP_MARK, write_file
 from pulsesync.errors import ConflictError, NotFoundError
-from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, fsync_dir, temp_path, write_atomically
+from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, write_atomically
 from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import translate_error
 
-_TMP_MARK = ".pulsesync-tmp-"
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -89,7 +89,7 @@ class FileStore(Store):
         for dirpath, _dirs, files in os.walk(base):
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in files:
-                if _TMP_MARK in name:
+                if TEMP_MARK in name:
                     continue
                 key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix) and (start_after is None or key > start_after):
@@ -107,39 +107,19 @@ class FileStore(Store):
             yield info
 
     # --- writes --------------------------------------------------------------------------------
-    def _write_temp(self, path: Path, data: bytes) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path(path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
-
     async def put(self, key: str, data: bytes) -> None:
         """Atomic create or replace: temp file, fsync, rename, fsync directory."""
-        path = self._path(key)
-
-        def write() -> None:
-            tmp = self._write_temp(path, data)
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
-
-        await self._io("put", key, write)
+        await self._io("put", key, write_file, self._path(key), data)
 
     async def put_if_absent(self, key: str, data: bytes) -> None:
         """Atomic exclusive create: the complete temp file is linked to the key, which fails if it exists."""
         path = self._path(key)
 
         def write() -> None:
-            tmp = self._write_temp(path, data)
             try:
-                os.link(tmp, path)
+                write_file(path, data, exclusive=True)
             except FileExistsError:
                 raise ConflictError(f"put_if_absent {self.url}{key}: the object already exists") from None
-            finally:
-                tmp.unlink(missing_ok=True)
-            fsync_dir(path.parent)
 
         await self._io("put_if_absent", key, write)
 

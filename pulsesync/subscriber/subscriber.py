@@ -22,10 +22,18 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_never,
+    wait_exponential,
+)
 
 from pulsesync import metrics, state_cache
 from pulsesync.codec import UndoLog, fused
@@ -38,15 +46,15 @@ from pulsesync.errors import (
     ReplayError,
     StoreError,
 )
-from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainReader
-from pulsesync.protocol.manifest import PatchManifest
+from pulsesync.protocol import signing
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
 from pulsesync.subscriber.config import SubscriberConfig
+from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
-_NOT_VERIFICATION = (StoreError, NotFoundError, EngineError, ConfigError)
+_NOT_A_VERIFICATION_FAILURE = (StoreError, NotFoundError, EngineError, ConfigError)
 
 
 @dataclass
@@ -65,12 +73,10 @@ class SyncResult:
 
 
 @dataclass
-class _Staged:
-    step: int
-    state: dict[str, torch.Tensor]
-    digest: StateDigest
-    files: dict[str, bytes]
-    path: str
+class _Staged(VerifiedState):
+    """A verified state on its way to the sinks, and the path that produced it."""
+
+    path: str = ""
     undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
 
     def rollback(self) -> None:
@@ -108,7 +114,7 @@ class Subscriber:
             raise ConfigError("trusted_keys: a subscriber needs at least one trusted public key (--trusted-key)")
         self.config = config
         self.store = store or open_store(config.store)
-        self.reader = ChainReader(self.store, trusted, threads=config.codec.threads or 1)
+        self.chain = ChainClient(self.store, trusted, threads=config.codec.threads or 1)
         sink_configs = list(config.sinks)
         if config.out_dir is not None:
             sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))
@@ -151,8 +157,8 @@ class Subscriber:
     # --- syncing ---------------------------------------------------------------------------------
     async def sync(self, target: int | None = None) -> SyncResult:
         """One sync to `target` (default: the configured step, else the newest ready step)."""
-        t0, downloaded = time.perf_counter(), self.reader.bytes_downloaded
-        ready = await self.reader.ready()
+        t0, downloaded = time.perf_counter(), self.chain.bytes_downloaded
+        ready = await self.chain.ready()
         if not ready:
             raise NotFoundError(f"{self.store.url}: no ready steps yet")
         newest = max(ready)
@@ -167,7 +173,7 @@ class Subscriber:
         elif target != self.step:
             if self.state is not None:
                 try:
-                    staged = await self._incremental(ready, target)
+                    staged = await self._incremental(target)
                 except PulseSyncError as e:
                     self._fallback(target, e)
             if staged is None:
@@ -176,10 +182,10 @@ class Subscriber:
             await self._activate(staged)
         path = staged.path if staged is not None else "up-to-date"
         seconds = time.perf_counter() - t0
-        got = self.reader.bytes_downloaded - downloaded
+        got = self.chain.bytes_downloaded - downloaded
         metrics.BYTES_DOWNLOADED.inc(got)
         metrics.LAG_STEPS.set(newest - self.step)
-        if staged is not None and (published := self.reader.published_at.get(self.step)):
+        if staged is not None and (published := self.chain.published_at.get(self.step)):
             age = dt.datetime.now(dt.timezone.utc) - published
             metrics.LAG_SECONDS.set(max(age.total_seconds(), 0.0))
         if staged is not None:
@@ -188,28 +194,21 @@ class Subscriber:
         assert self.digest is not None
         return SyncResult(self.step, path, self.digest.root, seconds, got)
 
-    async def _incremental(self, ready: Mapping[int, set[layout.Kind]], target: int) -> _Staged | None:
+    async def _incremental(self, target: int) -> _Staged | None:
         """Fast or chain path: patches from the held step to target, or None when they do not connect.
 
         Patches the held state in place, each patch under an undo log; on failure it is rolled back.
         Returns with the state lock held: `_activate` releases it once the sinks took the state.
         """
         assert self.state is not None and self.digest is not None
-        links: list[PatchManifest] = []
-        at = target
-        while at > self.step:
-            if "patch" not in ready.get(at, ()):
-                return None  # a gap (pruned, or an anchor in place of a failed patch)
-            link = await self.reader.manifest(at, "patch", newer_than=self.step)
-            assert isinstance(link, PatchManifest)
-            links.append(link)
-            at = link.base_step
-        if at != self.step:
-            return None  # the target's chain does not pass through the held step
+        held = self.step
+        walk, links = await self.chain.walk(target, lambda s: s <= held, newer_than=held)
+        if not walk.complete or walk.end != held:
+            return None  # a gap (pruned, or an anchor in place of a failed patch), or another chain
         staged = _Staged(target, self.state, self.digest, self.files, "fast" if len(links) == 1 else "chain")
         self._state_lock.acquire()
         try:
-            staged.digest = await self.reader.apply_chain(self.state, self.digest, links[::-1], undo=staged.undo)
+            staged.digest = await self.chain.apply_chain(self.state, self.digest, links, undo=staged.undo)
         except BaseException:
             staged.rollback()
             self._state_lock.release()
@@ -218,14 +217,14 @@ class Subscriber:
 
     async def _slow(self, target: int) -> _Staged:
         """Slow path: the nearest anchor on the target's chain, then its patches."""
-        rebuilt = await self.reader.reconstruct(target)
+        rebuilt = await self.chain.reconstruct(target)
         return _Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, "slow")
 
     def _fallback(self, target: int, error: PulseSyncError) -> None:
         reason = type(error).__name__
         self.status.fallbacks[reason] = self.status.fallbacks.get(reason, 0) + 1
         metrics.FALLBACKS.labels(reason).inc()
-        if not isinstance(error, _NOT_VERIFICATION):
+        if not isinstance(error, _NOT_A_VERIFICATION_FAILURE):
             metrics.VERIFICATION_FAILURES.labels(reason).inc()
         log.warning("step %d: falling back to the slow path (%s: %s)", target, reason, error)
 
@@ -250,9 +249,7 @@ class Subscriber:
         metrics.SUBSCRIBER_STEP.set(staged.step)
         log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
         if persist and self.config.cache_dir is not None:
-            await asyncio.to_thread(
-                state_cache.save, self.config.cache_dir, staged.step, staged.state, staged.digest, staged.files
-            )
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, staged)
 
     # --- in-process sink -------------------------------------------------------------------------
     def apply_to(self, module: torch.nn.Module) -> None:
@@ -291,18 +288,36 @@ class Subscriber:
                 target.data.copy_(source)
 
     # --- daemon ----------------------------------------------------------------------------------
+    def _retrying(self, attempts: int | None, stop: asyncio.Event | None = None) -> AsyncRetrying:
+        """The retry policy of failed syncs: exponential backoff, retry_initial_seconds doubling to retry_max_seconds.
+
+        Each failure is recorded (status, metrics, log); a set `stop` cuts a backoff wait short.
+        """
+
+        async def sleep(seconds: float) -> None:
+            if stop is None:
+                return await asyncio.sleep(seconds)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), seconds)
+
+        def failed(state: RetryCallState) -> None:
+            assert state.outcome is not None
+            self._failed(cast(PulseSyncError, state.outcome.exception()))
+
+        return AsyncRetrying(
+            stop=stop_never if attempts is None else stop_after_attempt(attempts),
+            wait=wait_exponential(multiplier=self.config.retry_initial_seconds, max=self.config.retry_max_seconds),
+            retry=retry_if_exception_type(PulseSyncError),
+            after=failed,
+            sleep=sleep,
+            reraise=True,
+        )
+
     async def sync_with_retries(self, attempts: int) -> SyncResult:
         """Sync, retrying failures with exponential backoff up to `attempts` tries."""
-        delay = self.config.retry_initial_seconds
-        for attempt in range(1, attempts + 1):
-            try:
+        async for attempt in self._retrying(attempts):
+            with attempt:
                 return await self.sync()
-            except PulseSyncError as e:
-                self._failed(e)
-                if attempt == attempts:
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.config.retry_max_seconds)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _failed(self, error: PulseSyncError) -> None:
@@ -323,21 +338,21 @@ class Subscriber:
         runner = None
         if self.config.metrics_port is not None:
             runner = await metrics.serve_with_health(self.config.metrics_port, self.healthy)
-        delay = self.config.retry_initial_seconds
         try:
             while not stop.is_set():
-                wait = self.config.poll_seconds
-                try:
-                    result = await self.sync()
-                    self.status.consecutive_failures, delay = 0, self.config.retry_initial_seconds
-                    metrics.HEALTHY.set(1)
-                    if result.path != "up-to-date":
-                        log.info("%s", result.to_json())
-                except PulseSyncError as e:
-                    self._failed(e)
-                    wait, delay = delay, min(delay * 2, self.config.retry_max_seconds)
+                result = None
+                async for attempt in self._retrying(None, stop):  # until a sync succeeds or stop is set
+                    with attempt:
+                        if not stop.is_set():
+                            result = await self.sync()
+                if result is None:
+                    break
+                self.status.consecutive_failures = 0
+                metrics.HEALTHY.set(1)
+                if result.path != "up-to-date":
+                    log.info("%s", result.to_json())
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait)
+                    await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
         finally:
             if runner is not None:
                 await runner.cleanup()

@@ -6,9 +6,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from pulsesync.dtypes import DTYPES, DTypeInfo
-
-_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+from pulsesync.dtypes import DTYPES, NP_INT_OF_WIDTH, DTypeInfo
 
 # Bit patterns every float codec must survive: NaNs (quiet, signalling, negative), +-Inf, -0.0,
 # smallest denormals, largest finite values.
@@ -61,7 +59,7 @@ def mutate(rng: np.random.Generator, base: torch.Tensor, density: float) -> torc
         flat[mask] = ~flat[mask]
         return new
     ints = flat.view(info.int_dtype)
-    moves = torch.from_numpy(rng.choice([-2, -1, 1, 2, 7], size=n).astype(_NP_INT[info.width]))
+    moves = torch.from_numpy(rng.choice([-2, -1, 1, 2, 7], size=n).astype(NP_INT_OF_WIDTH[info.width]))
     kind = torch.from_numpy(rng.integers(0, 4, size=n))
     ulp = mask & (kind < 2)
     ints[ulp] = ints[ulp] + moves[ulp]  # wraps in the integer type: still a valid bit pattern

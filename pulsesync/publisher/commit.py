@@ -1,0 +1,77 @@
+"""Manifest construction and commit: the one place the publisher builds manifests and writes ready markers.
+
+A step is committed when its signed manifest is written as the ready marker with put-if-absent,
+after every payload object it names is uploaded; a marker is never overwritten.
+"""
+
+from __future__ import annotations
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsesync.codec import FORMAT_VERSION, CodecParams
+from pulsesync.digest import StateDigest
+from pulsesync.errors import ConflictError
+from pulsesync.protocol import layout
+from pulsesync.protocol.manifest import (
+    AnchorFormat,
+    AnchorManifest,
+    ObjectRef,
+    PatchCodec,
+    PatchManifest,
+    Sizes,
+    utc_now,
+)
+from pulsesync.store import Store
+from pulsesync.verified import VerifiedState
+
+
+def patch_manifest(
+    step: int,
+    base: VerifiedState,
+    anchor_step: int,
+    ref: ObjectRef,
+    digest: StateDigest,
+    sizes: Sizes,
+    params: CodecParams,
+) -> PatchManifest:
+    """The manifest of a patch from `base` to `step`, in the chain that starts at `anchor_step`."""
+    return PatchManifest(
+        step=step,
+        base_step=base.step,
+        anchor_step=anchor_step,
+        base_digest=base.digest.root,
+        objects=[ref],
+        state_digest=digest,
+        sizes=sizes,
+        created_at=utc_now(),
+        codec=PatchCodec(
+            format_version=FORMAT_VERSION,
+            value_coding=params.value_coding,
+            zstd_level=params.zstd_level,
+            chunk_elements=params.chunk_elements,
+        ),
+    )
+
+
+def anchor_manifest(step: int, refs: list[ObjectRef], digest: StateDigest, sizes: Sizes, shards: int) -> AnchorManifest:
+    """The manifest of an anchor: the HF-layout files under its folder."""
+    return AnchorManifest(
+        step=step,
+        objects=refs,
+        state_digest=digest,
+        sizes=sizes,
+        created_at=utc_now(),
+        codec=AnchorFormat(shards=shards),
+    )
+
+
+async def write_ready_marker(store: Store, manifest: PatchManifest | AnchorManifest, key: Ed25519PrivateKey) -> None:
+    """Sign the manifest and write it as the step's ready marker; ConflictError if the marker exists."""
+    marker = layout.ready_key(manifest.step, manifest.kind)
+    try:
+        await store.put_if_absent(marker, manifest.signed(key).to_bytes())
+    except ConflictError:
+        raise ConflictError(
+            f"step {manifest.step}: {store.url}{marker} already exists: another publisher writes to this "
+            "prefix, or step numbers were reused; nothing was overwritten"
+        ) from None

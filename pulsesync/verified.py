@@ -1,0 +1,25 @@
+"""The one record of "a verified state at a step", shared by every component that holds weights.
+
+Verified means its digest was checked against a signed manifest (subscriber, cache, rebuild) or
+computed by the publisher from the copy it committed. The publisher's baseline, the subscriber's
+staged and served state, the local cache, a rebuild from the store and what sinks receive are
+this record or extend it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pulsesync.digest import StateDigest
+
+
+@dataclass
+class VerifiedState:
+    """Tensors at a step, their checked digest, and the non-weight files (config.json, tokenizer) that go with them."""
+
+    step: int
+    state: dict[str, torch.Tensor]
+    digest: StateDigest
+    files: dict[str, bytes] = field(default_factory=dict)
