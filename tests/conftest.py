@@ -1,12 +1,16 @@
-"""Test configuration: Hypothesis profiles (HYPOTHESIS_PROFILE=thorough for long local runs), shared servers."""
+"""Test configuration: Hypothesis profiles (HYPOTHESIS_PROFILE=thorough for long local runs), shared servers and fixtures."""
 
 import os
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, settings
 
-from tests.support.servers import moto_server
+from pulsesync.store import FileStore, S3Store, Store
+from tests.support.servers import BUCKET, moto_server, seaweedfs_server
 
 settings.register_profile("default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=3000)
@@ -18,3 +22,27 @@ def moto_endpoint() -> Iterator[str]:
     """A moto S3 server (server mode) on 127.0.0.1 for the whole session."""
     with moto_server() as endpoint:
         yield endpoint
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SeaweedFS S3 gateway on 127.0.0.1 for the whole session."""
+    with seaweedfs_server(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(params=["fs", pytest.param("moto", marks=pytest.mark.integration)])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    """A fresh, empty store: a directory, or a prefix of its own in the moto server's bucket."""
+    if request.param == "fs":
+        yield FileStore(tmp_path / "store")
+        return
+    s3 = S3Store(BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("moto_endpoint"))
+    yield s3
+    await s3.close()
+
+
+@pytest.fixture
+def key() -> Ed25519PrivateKey:
+    """A fresh publisher signing key."""
+    return Ed25519PrivateKey.generate()

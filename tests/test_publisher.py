@@ -10,8 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -25,48 +23,15 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, verify_manifest
 from pulsesync.publisher import AsyncPublisher, Publisher
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.store import FileStore, S3Store, Store
-from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
-from tests.support.helpers import assert_states_equal
+from pulsesync.store import FileStore, Store
+from tests.support.helpers import assert_states_equal, trainer_states
+from tests.support.helpers import publisher_config as config
 from tests.support.recording_store import RecordingStore
-from tests.support.servers import BUCKET
 
 ROOT = Path(__file__).parent.parent
 
 
 @functools.cache
-def trainer_states(n: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
-    """States 0..n-1 of a small synthetic model (deterministic: other processes regenerate them)."""
-    trainer = SyntheticTrainer(llm_like_shapes(hidden=64, layers=2, vocab=96 * 64), lr=1e-5, seed=seed)
-    states = []
-    for step in range(n):
-        if step:
-            trainer.step()
-        states.append(trainer.state())
-    return tuple(states)
-
-
-def config(**overrides: object) -> PublisherConfig:
-    """Small shards (several per anchor) and no skipping unless a test asks for it."""
-    defaults: dict[str, object] = {"anchor_interval": 10, "shard_size": 256 << 10, "on_backpressure": "block"}
-    return PublisherConfig.model_validate(defaults | overrides)
-
-
-@pytest.fixture(params=["fs", pytest.param("moto", marks=pytest.mark.integration)])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "fs":
-        yield FileStore(tmp_path / "store")
-        return
-    s3 = S3Store(BUCKET, f"pub-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("moto_endpoint"))
-    yield s3
-    await s3.close()
-
-
-@pytest.fixture
-def key() -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.generate()
-
-
 def trusted(key: Ed25519PrivateKey) -> dict[str, object]:
     return dict(signing.trusted_keys([key.public_key()]))
 

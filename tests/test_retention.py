@@ -30,10 +30,10 @@ from pulsesync.sinks import Sink, Update
 from pulsesync.store import FileStore, S3Store, Store
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.helpers import assert_states_equal
+from tests.support.helpers import assert_states_equal, trainer_states
+from tests.support.helpers import publisher_config as config
 from tests.support.recording_store import RecordingStore
 from tests.support.servers import BUCKET
-from tests.test_publisher import config, trainer_states
 
 STATES = 40
 KEY = Ed25519PrivateKey.generate()

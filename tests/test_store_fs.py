@@ -1,12 +1,14 @@
-"""The filesystem backend against the conformance suite, plus its on-disk guarantees."""
+"""The filesystem and in-memory backends against the conformance suite, plus the filesystem's on-disk guarantees."""
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
 import pytest
 
 from pulsesync.store import FileStore, Store
+from pulsesync.store.memory import MemoryStore
 from pulsesync.store.testing import StoreConformance
 
 
@@ -14,6 +16,29 @@ class TestFileStore(StoreConformance):
     @pytest.fixture
     def store(self, tmp_path: Path) -> Store:
         return FileStore(tmp_path / "store")
+
+    async def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        assert isinstance(store, FileStore)
+        (store.root / key).parent.mkdir(parents=True, exist_ok=True)
+        (store.root / key).write_bytes(data)
+
+    async def raw_get(self, store: Store, key: str) -> bytes | None:
+        assert isinstance(store, FileStore)
+        return (store.root / key).read_bytes() if (store.root / key).is_file() else None
+
+
+class TestMemoryStore(StoreConformance):
+    @pytest.fixture
+    def store(self) -> Store:
+        return MemoryStore()
+
+    async def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        assert isinstance(store, MemoryStore)
+        store.objects[key] = (data, dt.datetime.now(dt.timezone.utc))
+
+    async def raw_get(self, store: Store, key: str) -> bytes | None:
+        assert isinstance(store, MemoryStore)
+        return store.objects[key][0] if key in store.objects else None
 
 
 async def test_no_temp_files_remain_and_listing_skips_them(tmp_path: Path) -> None:

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiobotocore.session
 import pytest
 
-from pulsesync.store import S3Store
+from pulsesync.store import S3Store, Store
 from pulsesync.store.testing import StoreConformance
-from tests.support.servers import BUCKET, seaweedfs_server
-
-
-@pytest.fixture(scope="session")
-def seaweedfs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with seaweedfs_server(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
-        yield endpoint
+from tests.support.servers import BUCKET
 
 
 async def _s3_store(endpoint: str) -> AsyncIterator[S3Store]:
@@ -28,8 +23,28 @@ async def _s3_store(endpoint: str) -> AsyncIterator[S3Store]:
         await store.close()
 
 
+class S3Conformance(StoreConformance):
+    """Raw access through a separate aiobotocore client, beside the S3Store under test."""
+
+    async def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        assert isinstance(store, S3Store)
+        async with aiobotocore.session.get_session().create_client("s3", endpoint_url=store.endpoint_url) as s3:
+            await s3.put_object(Bucket=store.bucket, Key=store.prefix + key, Body=data)
+
+    async def raw_get(self, store: Store, key: str) -> bytes | None:
+        assert isinstance(store, S3Store)
+        async with aiobotocore.session.get_session().create_client("s3", endpoint_url=store.endpoint_url) as s3:
+            try:
+                reply = await s3.get_object(Bucket=store.bucket, Key=store.prefix + key)
+            except s3.exceptions.NoSuchKey:
+                return None
+            async with reply["Body"] as body:
+                data: bytes = await body.read()
+                return data
+
+
 @pytest.mark.integration
-class TestMotoStore(StoreConformance):
+class TestMotoStore(S3Conformance):
     @pytest.fixture
     async def store(self, moto_endpoint: str) -> AsyncIterator[S3Store]:
         async for store in _s3_store(moto_endpoint):
@@ -37,7 +52,7 @@ class TestMotoStore(StoreConformance):
 
 
 @pytest.mark.integration
-class TestSeaweedFSStore(StoreConformance):
+class TestSeaweedFSStore(S3Conformance):
     @pytest.fixture
     async def store(self, seaweedfs_endpoint: str) -> AsyncIterator[S3Store]:
         async for store in _s3_store(seaweedfs_endpoint):

@@ -35,31 +35,15 @@ from pulsesync.protocol.manifest import ObjectRef, PatchManifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig
-from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
+from pulsesync.store import RetryPolicy, S3Store, Store
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.fault_proxy import FaultProxy
-from tests.support.helpers import assert_states_equal
+from tests.support.helpers import assert_states_equal, trainer_states
 from tests.support.servers import BUCKET
-from tests.test_publisher import trainer_states
 
 STATES = 12
 FAST_RETRY = SubscriberConfig(retry_initial_seconds=0.01, retry_max_seconds=0.05)
-
-
-@pytest.fixture(params=["fs", pytest.param("moto", marks=pytest.mark.integration)])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    if request.param == "fs":
-        yield FileStore(tmp_path / "store")
-        return
-    s3 = S3Store(BUCKET, f"sub-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("moto_endpoint"))
-    yield s3
-    await s3.close()
-
-
-@pytest.fixture
-def key() -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.generate()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, ClassVar
+from typing import BinaryIO
 
 from pulsesync.atomic_files import AtomicFile
 from pulsesync.errors import IntegrityError, NotFoundError, StoreError
@@ -49,10 +49,7 @@ def check_key(key: str) -> str:
 
 
 class Store(ABC):
-    """Async object store. Backends set the capability flags and implement the methods."""
-
-    supports_multipart: ClassVar[bool] = False  # large uploads go up in concurrent parts
-    supports_parallel_ranged_get: ClassVar[bool] = False  # large downloads fetch ranges concurrently
+    """Async object store: backends implement the abstract methods and pass pulsesync.store.testing."""
 
     url: str
 

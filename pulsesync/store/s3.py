@@ -31,9 +31,6 @@ MIN_PART_SIZE = 5 << 20  # S3's minimum for every part but the last
 class S3Store(Store):
     """Objects under s3://bucket/prefix."""
 
-    supports_multipart = True
-    supports_parallel_ranged_get = True
-
     def __init__(
         self,
         bucket: str,

@@ -1,6 +1,9 @@
-"""The one conformance suite every Store backend passes (as zarr-python's testing/store.py).
+"""The conformance suite every Store backend passes, shipped in the package (as zarr.testing.store).
 
-A backend's test module subclasses StoreConformance and provides the `store` fixture.
+A backend's test module subclasses StoreConformance, provides the `store` fixture, and
+implements `raw_put`/`raw_get`, which reach the objects without the store under test (the
+filesystem directly, a separate S3 client, the dict), so a test can tell a backend that reads its
+own writes from one that reads and writes what the storage really holds. Needs pytest.
 """
 
 from __future__ import annotations
@@ -29,6 +32,32 @@ class StoreConformance:
     @pytest.fixture
     def store(self) -> Store:
         raise NotImplementedError
+
+    async def raw_put(self, store: Store, key: str, data: bytes) -> None:
+        """Write an object without going through `store`."""
+        raise NotImplementedError
+
+    async def raw_get(self, store: Store, key: str) -> bytes | None:
+        """Read an object without going through `store`; None if absent."""
+        raise NotImplementedError
+
+    async def test_reads_see_objects_written_around_the_store(self, store: Store) -> None:
+        await self.raw_put(store, "raw/a.bin", b"written directly")
+        assert await store.get("raw/a.bin") == b"written directly"
+        assert await store.get_range("raw/a.bin", 0, 7) == b"written"
+        assert (await store.head("raw/a.bin")).size == 16
+        assert await _keys(store, "raw/") == ["raw/a.bin"]
+        with pytest.raises(ConflictError):
+            await store.put_if_absent("raw/a.bin", b"second")
+        assert await self.raw_get(store, "raw/a.bin") == b"written directly"
+
+    async def test_writes_land_where_the_storage_holds_them(self, store: Store) -> None:
+        await store.put("raw/b.bin", b"through the store")
+        await store.put_if_absent("raw/c.bin", b"once")
+        assert await self.raw_get(store, "raw/b.bin") == b"through the store"
+        assert await self.raw_get(store, "raw/c.bin") == b"once"
+        await store.delete_many(["raw/b.bin"])
+        assert await self.raw_get(store, "raw/b.bin") is None
 
     async def test_put_get_head_exists(self, store: Store) -> None:
         await store.put("a/b/c.bin", b"hello")

@@ -1,4 +1,4 @@
-"""Shared test helpers: bit-exact comparison and Hypothesis strategies for random states."""
+"""Shared test helpers: bit-exact comparison, Hypothesis strategies for random states, small trained chains."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 from hypothesis import strategies as st
 
 from pulsesync.dtypes import DTYPES, NP_INT_OF_WIDTH, DTypeInfo
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 # Bit patterns every float codec must survive: NaNs (quiet, signalling, negative), +-Inf, -0.0,
 # smallest denormals, largest finite values.
@@ -111,3 +113,20 @@ def state_pairs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, tor
 def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A deep copy (the working copy a subscriber patches)."""
     return {n: t.clone() for n, t in state.items()}
+
+
+def trainer_states(n: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
+    """States 0..n-1 of a small synthetic model (deterministic: other processes regenerate them)."""
+    trainer = SyntheticTrainer(llm_like_shapes(hidden=64, layers=2, vocab=96 * 64), lr=1e-5, seed=seed)
+    states = []
+    for step in range(n):
+        if step:
+            trainer.step()
+        states.append(trainer.state())
+    return tuple(states)
+
+
+def publisher_config(**overrides: object) -> PublisherConfig:
+    """Small shards (several per anchor) and no skipping unless a test asks for it."""
+    defaults: dict[str, object] = {"anchor_interval": 10, "shard_size": 256 << 10, "on_backpressure": "block"}
+    return PublisherConfig.model_validate(defaults | overrides)

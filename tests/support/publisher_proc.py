@@ -17,8 +17,8 @@ from pulsesync.protocol.signing import load_private_key
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
+from tests.support.helpers import trainer_states
 from tests.support.recording_store import RecordingStore, stall_forever
-from tests.test_publisher import trainer_states
 
 
 def main(argv: list[str]) -> None:

@@ -26,8 +26,6 @@ class RecordingStore(Store):
         self.hook = hook
         self.writes: list[tuple[str, str]] = []
         self.reads: list[str] = []
-        self.supports_multipart = inner.supports_multipart
-        self.supports_parallel_ranged_get = inner.supports_parallel_ranged_get
 
     def _before(self, op: str, key: str) -> None:
         if self.hook is not None:
