@@ -1,4 +1,4 @@
-"""Test configuration: Hypothesis profiles (HYPOTHESIS_PROFILE=thorough for long local runs), shared servers and fixtures."""
+"""Test configuration: Hypothesis profiles (HYPOTHESIS_PROFILE=thorough for long runs), shared servers and fixtures."""
 
 import os
 import uuid
