@@ -91,8 +91,9 @@ async def _demo(
     out: Callable[[str], None],
 ) -> bool:
     async with store:
-        async for info in store.list("ready/"):
-            raise ConflictError(f"{store.url} already holds published steps ({info.key}); use an empty prefix")
+        if found := await ChainClient(store, {}).refresh():
+            first = found[0][1].key
+            raise ConflictError(f"{store.url} already holds published steps ({first}); use an empty prefix")
         t_start = time.perf_counter()
         late_join = late_join if late_join is not None else max(1, steps * 2 // 3 - 3)  # between anchors
         corrupt_at = next((s for s in range(2 * anchor_interval, 0, -anchor_interval) if late_join < s <= steps), None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
@@ -31,7 +30,6 @@ from tests.support.recording_store import RecordingStore
 ROOT = Path(__file__).parent.parent
 
 
-@functools.cache
 def trusted(key: Ed25519PrivateKey) -> dict[str, object]:
     return dict(signing.trusted_keys([key.public_key()]))
 

@@ -1,12 +1,14 @@
 """Lossless sparse patch codec: bitwise diff, compact position/value coding, zstd, framed records.
 
-Pure: no I/O. See docs/patch-format.md for the byte layout.
+Pure: no I/O. `encoder` writes patches, `parse` reads them, `apply` applies them; `format` is the
+byte layout (docs/patch-format.md), `bits` the position and value coding, `fused` its numba kernels.
 """
 
-from pulsesync.codec.decoder import PatchDecoder, PatchRecord, UndoLog, apply_patch, decode_record, read_header
+from pulsesync.codec.apply import UndoLog, apply_patch, apply_record
 from pulsesync.codec.encoder import encode_patch
 from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.params import CodecParams
+from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record, read_header
 
 __all__ = [
     "FORMAT_VERSION",
@@ -19,6 +21,7 @@ __all__ = [
     "ValueCoding",
     "UndoLog",
     "apply_patch",
+    "apply_record",
     "decode_record",
     "encode_patch",
     "read_header",

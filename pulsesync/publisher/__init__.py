@@ -5,8 +5,9 @@ writes ready markers; `resume` rebuilds the baseline; `host_copy` takes the trai
 `report` is what a step did; `sources` and `checkpoints` feed it from a process beside a trainer.
 """
 
+from pulsesync.publisher.config import PublisherConfig, WatchConfig
 from pulsesync.publisher.host_copy import HostCopy
 from pulsesync.publisher.pipeline import AsyncPublisher, FileSource, Publisher
 from pulsesync.publisher.report import StepReport
 
-__all__ = ["AsyncPublisher", "FileSource", "HostCopy", "Publisher", "StepReport"]
+__all__ = ["AsyncPublisher", "FileSource", "HostCopy", "Publisher", "PublisherConfig", "StepReport", "WatchConfig"]

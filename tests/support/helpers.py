@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from hypothesis import strategies as st
@@ -115,6 +117,7 @@ def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in state.items()}
 
 
+@functools.cache
 def trainer_states(n: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], ...]:
     """States 0..n-1 of a small synthetic model (deterministic: other processes regenerate them)."""
     trainer = SyntheticTrainer(llm_like_shapes(hidden=64, layers=2, vocab=96 * 64), lr=1e-5, seed=seed)

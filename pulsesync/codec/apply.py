@@ -1,0 +1,225 @@
+"""Patch application (pure): bounds-checked, bit-exact apply in place, the undo log, the verified result digest.
+
+Every record is checked against the tensor it changes before anything is written, and every
+position is bounds-checked (codec.parse decoded it); an undo log lets a caller patch its only
+copy of a state and still restore it bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import cast
+
+import numpy as np
+import torch
+
+from pulsesync.codec import bits, fused
+from pulsesync.codec.format import RecordHeader, RecordKind
+from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record
+from pulsesync.digest import DigestAlgorithm, StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
+from pulsesync.dtypes import describe
+from pulsesync.errors import CorruptPatchError, IntegrityError
+from pulsesync.threads import parallel_map, submit_beside
+
+
+@dataclass
+class UndoLog:
+    """What applying a patch overwrote: enough to restore the state it was applied to.
+
+    Lets a caller patch its only copy of a state in place (no full clone) and still get the old
+    state back, bit for bit, if the result does not verify. Also says which positions changed.
+    """
+
+    # (name, start, length, chunk-relative positions or None for the whole chunk, old bits)
+    chunks: list[tuple[str, int, int, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    tensors: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)  # old tensor (None: added)
+
+    def rollback(self, state: MutableMapping[str, torch.Tensor]) -> None:
+        """Restore `state` to what it was before the patch."""
+        for name, start, length, index, old in reversed(self.chunks):
+            chunk = state[name].view(-1).view(old.dtype).narrow(0, start, length)
+            if index is None:
+                chunk.copy_(old)
+            else:
+                chunk.index_copy_(0, index, old)
+        for name, tensor in reversed(self.tensors):
+            if tensor is None:
+                state.pop(name, None)
+            else:
+                state[name] = tensor
+
+    def changed(self) -> dict[str, torch.Tensor | None]:
+        """Flat positions each changed tensor changed at (sorted), or None where the whole tensor changed."""
+        out: dict[str, torch.Tensor | None] = {name: None for name, _ in self.tensors}
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for name, start, _, index, _ in self.chunks:
+            if index is None or name in out:
+                out[name] = None
+            else:
+                pieces.setdefault(name, []).append(index + start)
+        for name, parts in pieces.items():
+            if name not in out:
+                out[name] = torch.cat(parts)
+        return out
+
+
+def apply_record(
+    record: PatchRecord,
+    state: MutableMapping[str, torch.Tensor],
+    device: torch.device | None = None,
+    undo: UndoLog | None = None,
+) -> None:
+    """Apply one decoded record to `state` in place (a non-contiguous target is first replaced by a contiguous copy)."""
+    h = record.header
+    check_target(h, state)
+    if undo is not None and (h.kind in (RecordKind.ADD, RecordKind.REPLACE, RecordKind.REMOVE)):
+        undo.tensors.append((h.name, state.get(h.name)))
+    if h.kind == RecordKind.REMOVE:
+        del state[h.name]
+    elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):
+        assert record.values is not None
+        target = device or _state_device(state)
+        if record.values.size == 0:  # views of empty buffers carry strides nothing can reinterpret
+            state[h.name] = torch.empty(h.shape, dtype=h.info.torch_dtype, device=target)
+        else:
+            tensor = torch.from_numpy(record.values).view(h.info.torch_dtype).reshape(h.shape)
+            state[h.name] = tensor.to(target)
+    else:
+        tensor = state[h.name]
+        if not tensor.is_contiguous():
+            if undo is not None:
+                undo.tensors.append((h.name, tensor))
+            state[h.name] = tensor = tensor.contiguous()
+        chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
+        coded_values = record.values
+        if record.packed is not None:
+            assert record.positions is not None
+            if chunk.device.type == "cpu" and fused.apply_delta_2byte is not None:
+                old = np.empty(record.positions.size, np.int16)
+                fused.apply_delta_2byte(chunk.detach().numpy(), record.positions, *record.packed, old)
+                if undo is not None:
+                    index = torch.from_numpy(record.positions)
+                    undo.chunks.append((h.name, h.start, h.length, index, torch.from_numpy(old)))
+                return
+            packed, escapes = record.packed
+            coded_values = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
+        assert coded_values is not None
+        coded = torch.from_numpy(coded_values).to(chunk.device)
+        if h.kind == RecordKind.DENSE:
+            if undo is not None:
+                undo.chunks.append((h.name, h.start, h.length, None, chunk.clone()))
+            bits.decode_values_(chunk, coded, h.info, h.coding)
+        else:
+            assert record.positions is not None
+            index = torch.from_numpy(record.positions).to(chunk.device)
+            values = chunk.index_select(0, index)
+            if undo is not None:
+                undo.chunks.append((h.name, h.start, h.length, index, values.clone()))
+            chunk.index_copy_(0, index, bits.decode_values_(values, coded, h.info, h.coding))
+
+
+def _kept(base: StateDigest, state: MutableMapping[str, torch.Tensor], name: str) -> TensorDigest:
+    """The digest of a tensor the patch did not touch: the base digest's entry (hashed if it has none)."""
+    kept = base.tensors.get(name)
+    return kept if kept is not None else tensor_digest(state[name], base.algorithm)
+
+
+def _state_device(state: MutableMapping[str, torch.Tensor]) -> torch.device:
+    for t in state.values():
+        return t.device
+    return torch.device("cpu")
+
+
+def check_target(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> None:
+    """Raise CorruptPatchError unless the record fits `state` (done before any allocation)."""
+    present = h.name in state
+    if h.kind == RecordKind.ADD:
+        if present:
+            raise CorruptPatchError(f"record adds tensor {h.name!r}, which the state already has")
+        return
+    if not present:
+        raise CorruptPatchError(f"record {h.kind.name} targets tensor {h.name!r}, which the state lacks")
+    if h.kind in (RecordKind.SPARSE, RecordKind.DENSE):
+        t = state[h.name]
+        if t.dtype != h.info.torch_dtype or tuple(t.shape) != h.shape:
+            raise CorruptPatchError(
+                f"record for tensor {h.name!r} expects {h.info.name}{list(h.shape)}, the state has {describe(t)}"
+            )
+
+
+def apply_patch(
+    state: MutableMapping[str, torch.Tensor],
+    patch: bytes | memoryview,
+    *,
+    base_digest: StateDigest | None = None,
+    verify: bool = True,
+    threads: int | None = 1,
+    max_decoded_bytes: int | None = None,
+    undo: UndoLog | None = None,
+) -> StateDigest | None:
+    """Apply a patch to `state` in place; bit-exact. Returns the new state's digest if verified.
+
+    `base_digest` is the digest of `state` if already known (else it is computed); it must equal
+    the patch's base digest. With `verify`, the result's digest must equal the patch's state digest:
+    each tensor is re-hashed on another core as soon as its last record is applied (overlapping
+    the decode of the next ones), and tensors the patch does not touch keep their base digest.
+    On any error `state` may be partially patched: pass an `undo` log and roll it back, or apply
+    to a working copy and discard it. Records decode on one thread by default: their many small
+    array operations contend for the GIL, so more threads were slower on every machine measured
+    (docs/benchmarks.md).
+    """
+    parser = PatchDecoder(max_decoded_bytes)
+    raw_records = parser.split(patch)
+    header = parser.finish()
+    algorithm = cast(DigestAlgorithm, header.digest_algorithm)
+    current = base_digest or state_digest(state, algorithm, threads)
+    if current.root != header.base_digest:
+        raise IntegrityError(
+            f"patch was made against state digest {header.base_digest}, "
+            f"but the state to patch has {current.algorithm} digest {current.root}"
+        )
+    for h, _ in raw_records:
+        check_target(h, state)
+        tensor = state[h.name] if h.kind in (RecordKind.SPARSE, RecordKind.DENSE) else None
+        if tensor is not None and not tensor.is_contiguous():
+            if undo is not None:
+                undo.tensors.append((h.name, tensor))
+            state[h.name] = tensor.contiguous()
+
+    def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> PatchRecord | None:
+        record = decode_record(*item)
+        if item[0].kind in (RecordKind.SPARSE, RecordKind.DENSE):
+            apply_record(record, state, undo=undo)  # disjoint chunks: safe to write concurrently
+            return None
+        return record
+
+    rehashed: dict[str, Future[TensorDigest]] = {}
+
+    def rehash(name: str) -> None:
+        if verify and name in state:
+            rehashed[name] = submit_beside(tensor_digest, state[name], algorithm)
+
+    device = _state_device(state)
+    whole: list[PatchRecord] = []
+    previous: str | None = None
+    # In order: once a record of the next tensor has been applied, the previous tensor is final.
+    for (h, _), record in zip(raw_records, parallel_map(decode_and_apply, raw_records, threads), strict=True):
+        if previous is not None and h.name != previous:
+            rehash(previous)
+        previous = None if record is not None else h.name
+        if record is not None:
+            whole.append(record)
+    if previous is not None:
+        rehash(previous)
+    for record in whole:  # whole-tensor records change the dict itself: after the concurrent part
+        apply_record(record, state, device, undo)
+        rehash(record.name)
+    if not verify:
+        return None
+    tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
+    result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
+    if result.root != header.state_digest:
+        raise IntegrityError(f"patched state has digest {result.root}, the patch promises {header.state_digest}")
+    return result

@@ -1,0 +1,198 @@
+"""Patch parsing (pure): the streaming record parser and record decoding, every declared size checked.
+
+Decoding never trusts a size it has not checked: every record's declared sizes must agree with
+each other and with the patch header's declared total before anything is allocated. Applying
+the decoded records is codec.apply's job.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from pulsesync.codec import bits, fused
+from pulsesync.codec.format import (
+    PatchHeader,
+    RecordHeader,
+    RecordKind,
+    ValueCoding,
+    parse_header,
+    parse_record_header,
+    payload_hash,
+)
+from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH
+from pulsesync.errors import CorruptPatchError
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """A per-thread decompressor (zstandard decompressors are not thread-safe)."""
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if decompressor is None:
+        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
+
+
+@dataclass(frozen=True)
+class PatchRecord:
+    """One decoded record: chunk-relative positions and coded values, ready to apply."""
+
+    header: RecordHeader
+    positions: np.ndarray | None  # SPARSE only: int64 positions in [0, header.length)
+    values: np.ndarray | None  # coded values (SPARSE/DENSE) or raw bits (ADD/REPLACE)
+    # SPARSE delta records of 2-byte floats: the packed value codes and escapes, left for the
+    # fused kernel (values is None; they are decoded here only for a target off the CPU).
+    packed: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def name(self) -> str:
+        """Name of the tensor this record changes."""
+        return self.header.name
+
+
+def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
+    """Decompress and unpack one record's payload (sizes are exact or CorruptPatchError)."""
+    if h.raw_len == 0:  # END/REMOVE, or an added/replaced empty tensor
+        empty = np.empty(0, NP_INT_OF_WIDTH[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
+        return PatchRecord(h, None, empty)
+    where = f"record for tensor {h.name!r} at element {h.start}"
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared != h.raw_len:
+            raise CorruptPatchError(f"{where}: zstd frame declares {declared} bytes, record {h.raw_len}")
+        raw = _decompressor().decompress(payload, max_output_size=h.raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptPatchError(f"{where}: payload does not decompress ({e})") from None
+    if len(raw) != h.raw_len:
+        raise CorruptPatchError(f"{where}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
+    buf = np.frombuffer(raw, np.uint8)
+    if h.kind != RecordKind.SPARSE:
+        return PatchRecord(h, None, _decode_value_stream(buf, h, h.length, 0, where))
+    n, gaps_end = h.count, 2 * h.count
+    escapes_end = gaps_end + 8 * h.escapes
+    positions = bits.decode_positions(buf[:gaps_end], n, buf[gaps_end:escapes_end].view("<u8"), h.length, where)
+    values = buf[escapes_end:]
+    if fused.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
+        packed_len = (n + 3) // 4
+        escaped = bits.from_planes(values[packed_len:], h.value_escapes, np.uint16)
+        bits.check_escape_count(values[:packed_len], n, escaped.size, where)
+        return PatchRecord(h, positions, None, (values[:packed_len], escaped))
+    return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where))
+
+
+def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
+    """n coded values (signed ints of the dtype's width) from byte planes or packed codes."""
+    np_int = NP_INT_OF_WIDTH[h.info.width]
+    if not h.coding.packed:
+        return bits.from_planes(buf, n, np_int)
+    packed_len = (n + 3) // 4
+    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, NP_UINT_OF_WIDTH[h.info.width])
+    if h.coding == ValueCoding.DELTA:
+        return bits.unpack_small_deltas(buf[:packed_len], n, escaped, offset, where)
+    return bits.unpack_small(buf[:packed_len], n, escaped, offset, where).view(np_int)
+
+
+class PatchDecoder:
+    """Incremental patch parser: feed bytes as they arrive, get records as they complete.
+
+    Validates framing (magic, version, checksums, declared sizes, record order) as it goes;
+    `finish()` raises if the patch ended early. Memory held: at most one record's bytes.
+    """
+
+    def __init__(self, max_decoded_bytes: int | None = None) -> None:
+        self.header: PatchHeader | None = None
+        self._max_decoded = max_decoded_bytes
+        self._buf = bytearray()
+        self._records = 0
+        self._decoded = 0
+        self._last: tuple[str, int] | None = None  # (name, end) of the previous record
+        self._whole: str | None = None  # name of the previous whole-tensor record
+        self.done = False
+
+    def feed(self, data: bytes | memoryview) -> list[PatchRecord]:
+        """Consume bytes; return the records they complete, decoded."""
+        return [decode_record(h, p) for h, p in self.split(data)]
+
+    def split(self, data: bytes | memoryview) -> list[tuple[RecordHeader, memoryview]]:
+        """Consume bytes; return the records they complete as (header, compressed payload)."""
+        if self.done and len(data):
+            raise CorruptPatchError("patch has trailing bytes after its end record")
+        self._buf += data
+        out: list[tuple[RecordHeader, memoryview]] = []
+        view = memoryview(self._buf)
+        offset = 0
+        try:
+            if self.header is None:
+                parsed = parse_header(view)
+                if parsed is None:
+                    return out
+                self.header, offset = parsed
+                if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
+                    raise CorruptPatchError(
+                        f"patch declares {self.header.decoded_bytes} decoded bytes, above the limit {self._max_decoded}"
+                    )
+            while not self.done:
+                parsed_record = parse_record_header(view, offset)
+                if parsed_record is None:
+                    break
+                h, payload_start = parsed_record
+                if len(view) < payload_start + h.comp_len:
+                    break
+                self._admit(h)
+                if h.kind != RecordKind.END:
+                    payload = bytes(view[payload_start : payload_start + h.comp_len])
+                    if payload_hash(payload) != h.payload_hash:
+                        raise CorruptPatchError(f"record for tensor {h.name!r}: payload hash mismatch (corrupted)")
+                    out.append((h, memoryview(payload)))
+                offset = payload_start + h.comp_len
+            if self.done and offset != len(view):
+                raise CorruptPatchError("patch has trailing bytes after its end record")
+        finally:
+            view.release()
+        del self._buf[:offset]
+        return out
+
+    def _admit(self, h: RecordHeader) -> None:
+        """Check a record against the header's totals and the records before it."""
+        assert self.header is not None
+        if h.kind == RecordKind.END:
+            if h.count != self._records or self._records != self.header.records:
+                raise CorruptPatchError(
+                    f"patch end record counts {h.count} records, header {self.header.records}, found {self._records}"
+                )
+            self.done = True
+            return
+        self._records += 1
+        self._decoded += h.raw_len
+        if self._records > self.header.records or self._decoded > self.header.decoded_bytes:
+            raise CorruptPatchError(
+                f"record for tensor {h.name!r} exceeds the patch's declared "
+                f"{self.header.records} records / {self.header.decoded_bytes} decoded bytes"
+            )
+        # Names ascend; chunks of one tensor ascend without overlap; whole-tensor records stand alone.
+        whole = h.kind in (RecordKind.ADD, RecordKind.REPLACE, RecordKind.REMOVE)
+        if self._last is not None:
+            last_name, last_end = self._last
+            if h.name < last_name or (h.name == last_name and (whole or self._whole == h.name or h.start < last_end)):
+                raise CorruptPatchError(f"record for tensor {h.name!r} is out of order or overlaps the previous one")
+        self._last = (h.name, h.start + h.length)
+        self._whole = h.name if whole else None
+
+    def finish(self) -> PatchHeader:
+        """Assert the whole patch was seen; returns its header."""
+        if not self.done or self.header is None:
+            got = "no header" if self.header is None else f"{self._records} of {self.header.records} records"
+            raise CorruptPatchError(f"patch is truncated: ended after {got} without its end record")
+        return self.header
+
+
+def read_header(patch: bytes | memoryview) -> PatchHeader:
+    """The header of a patch (codec parameters, digests, declared sizes) without decoding it."""
+    parsed = parse_header(patch)
+    if parsed is None:
+        raise CorruptPatchError(f"patch is truncated: {len(patch)} bytes is shorter than its header")
+    return parsed[0]
