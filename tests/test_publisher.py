@@ -203,7 +203,7 @@ async def test_a_marker_race_is_lost_cleanly_by_put_if_absent(tmp_path: Path, ke
     await late.start()
     intruder = await store.get(layout.ready_key(1, "patch"))
     await store.put_if_absent(layout.ready_key(2, "anchor"), intruder)  # appears after late's listing
-    late._seen_key = layout.ready_key(2, "anchor")  # as if its listing ran just before the intruder wrote
+    late._chain._last_key = layout.ready_key(2, "anchor")  # as if its listing ran just before the intruder wrote
     await late.publish(2, states[2])
     with pytest.raises(ConflictError, match="already exists: another publisher"):
         await late.flush()

@@ -55,7 +55,7 @@ class RecordKind(enum.IntEnum):
 class ValueCoding(enum.IntEnum):
     """How changed values are stored; the decoder always produces absolute new values."""
 
-    RAW = 0  # the new bit patterns (as PULSE), in byte planes
+    RAW = 0  # the new bit patterns themselves (what the PULSE paper stores), in byte planes
     DELTA = 1  # zigzag of the difference of order-preserving bit patterns (one ULP = 1), packed
     XOR = 2  # new bits XOR old bits, packed
 

@@ -20,7 +20,7 @@ class CodecParams(BaseModel):
     value_coding: ValueCodingName = Field(
         "delta",
         description="delta: zigzag of the ordered bit-pattern difference (smallest); "
-        "raw: new values as PULSE; xor: new XOR old",
+        "raw: the new values themselves, as the PULSE paper stores them; xor: new XOR old",
     )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level; 1 is the speed/ratio sweet spot")
     chunk_elements: int = Field(
