@@ -12,7 +12,6 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import BinaryIO
 
 TEMP_MARK = ".pulsesync-tmp-"
@@ -41,8 +40,8 @@ def fsync_file(path: Path) -> None:
 class AtomicFile:
     """A temporary file that becomes `path` on commit; with `mode`, it has that mode from its creation.
 
-    Use it as a context manager (replace on success, discard on error) or call `commit`,
-    `commit_exclusive` and `discard` directly, e.g. from worker threads.
+    Write to `file`, then call `commit` (replace), `commit_exclusive` (create only) or `discard`;
+    each may run on a worker thread.
     """
 
     def __init__(self, path: Path, mode: int | None = None) -> None:
@@ -83,17 +82,6 @@ class AtomicFile:
         """Drop the temporary file."""
         self.file.close()
         self.temp.unlink(missing_ok=True)
-
-    def __enter__(self) -> BinaryIO:
-        return self.file
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.discard()
 
 
 def write_file(path: Path, data: bytes, *, exclusive: bool = False, mode: int | None = None) -> None:

@@ -39,8 +39,8 @@ class DTypeInfo:
         return self.torch_dtype.itemsize
 
 
-# Integer types by width in bytes: the one table the codec, the digest and the tests share.
-INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Integer types by width in bytes: the one table the codec and the tests share.
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 NP_INT_OF_WIDTH: dict[int, type[np.integer]] = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 NP_UINT_OF_WIDTH: dict[int, type[np.integer]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -63,7 +63,7 @@ _TABLE: list[tuple[str, int, torch.dtype, bool]] = [
 ]
 
 DTYPES: tuple[DTypeInfo, ...] = tuple(
-    DTypeInfo(name, code, dt, INT_OF_WIDTH[dt.itemsize], is_float) for name, code, dt, is_float in _TABLE
+    DTypeInfo(name, code, dt, _INT_OF_WIDTH[dt.itemsize], is_float) for name, code, dt, is_float in _TABLE
 )
 _BY_TORCH = {d.torch_dtype: d for d in DTYPES}
 _BY_CODE = {d.code: d for d in DTYPES}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -50,3 +52,42 @@ def test_run_ids_cannot_escape_the_step_folder(run_id: str) -> None:
         layout.patch_key(1, run_id)
     with pytest.raises(ValueError):
         layout.anchor_dir(1, run_id)
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> tuple[dict[int, int], set[int], int]:
+    """Patch links (step -> base_step < step, some missing), anchor steps, and a start step."""
+    steps = sorted(draw(st.sets(st.integers(0, 60), min_size=1, max_size=30)))
+    bases = {
+        s: draw(st.sampled_from([b for b in steps if b < s])) for s in steps if s > steps[0] and draw(st.booleans())
+    }
+    anchors = set(draw(st.lists(st.sampled_from(steps), max_size=5)))
+    return bases, anchors, draw(st.sampled_from(steps))
+
+
+@given(chains())
+def test_walk_follows_links_to_the_first_stop_or_the_first_gap(chain: tuple[dict[int, int], set[int], int]) -> None:
+    bases, anchors, start = chain
+    walk = layout.walk_known(start, anchors.__contains__, bases)
+    path = [*walk.patches, walk.end]
+    assert path[0] == start
+    assert all(bases[a] == b for a, b in itertools.pairwise(path))  # every step passed through is a link
+    assert not any(s in anchors for s in walk.patches)  # it stops at the first anchor
+    if walk.complete:
+        assert walk.end in anchors
+    else:
+        assert walk.end not in anchors and walk.end not in bases  # a gap: no link to follow
+
+
+def test_walk_asks_the_driver_for_each_base_in_turn() -> None:
+    walker = layout.walk_links(9, lambda s: s <= 4)
+    assert next(walker) == 9
+    assert walker.send(7) == 7
+    with pytest.raises(StopIteration) as done:
+        walker.send(4)
+    assert done.value.value == layout.Walk([9, 7], 4, complete=True)
+    walker = layout.walk_links(9, lambda s: s <= 4)
+    next(walker)
+    with pytest.raises(StopIteration) as done:
+        walker.send(None)
+    assert done.value.value == layout.Walk([], 9, complete=False)
