@@ -94,7 +94,7 @@ class UnsupportedDtypeError(PulseSyncError):
 
 
 class EngineError(PulseSyncError):
-    """An inference engine refused or failed a weight update; it keeps its old weights."""
+    """An inference engine refused or failed a weight update (what it then holds: docs/engines.md)."""
 
     exit_code = 14
 

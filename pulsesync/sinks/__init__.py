@@ -5,6 +5,7 @@ Each sink's settings live beside it; `SinkConfig` is the union a subscriber conf
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field
@@ -37,7 +38,12 @@ SinkConfig = Annotated[
 
 def build_sinks(configs: list[SinkConfig]) -> list[Sink]:
     """Sinks for configs: directory sinks first (the others may read what they write), then in config order."""
-    sinks: list[Sink] = [DirectorySink(c) for c in configs if isinstance(c, DirectorySinkConfig)]
+    sinks: list[Sink] = []
+
+    def pinned() -> set[Path]:
+        return set().union(*(s.pinned() for s in sinks))
+
+    sinks += [DirectorySink(c, pinned) for c in configs if isinstance(c, DirectorySinkConfig)]
     for c in configs:
         if isinstance(c, CommandSinkConfig):
             sinks.append(CommandSink(c))

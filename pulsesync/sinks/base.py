@@ -51,3 +51,7 @@ class Sink(ABC):
     @abstractmethod
     async def deliver(self, update: Update) -> None:
         """Hand over one verified state."""
+
+    def pinned(self) -> set[Path]:
+        """Directories this sink's engine reads from, which a directory sink must keep."""
+        return set()

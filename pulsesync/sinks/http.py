@@ -1,7 +1,10 @@
-"""JSON POSTs to an inference server's admin endpoints; any failure is an EngineError naming the call."""
+"""HTTP calls to an inference server's admin endpoints; any failure is an EngineError naming the call."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -9,18 +12,59 @@ import aiohttp
 from pulsesync.errors import EngineError
 
 
-async def post_json(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: float) -> Any:
-    """POST body as JSON; the decoded JSON reply (None if empty). EngineError on non-2xx or no connection."""
+class EngineClient:
+    """One session to a server: JSON in and out, a bearer token when configured, a deadline per call."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> EngineClient:
+        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self.timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def post(self, path: str, body: dict[str, Any], *, accept: tuple[int, ...] = ()) -> Any:
+        """POST body as JSON; the decoded reply. EngineError on no connection, or a status >= 300 not in accept."""
+        return await self._call("POST", path, body, accept)
+
+    async def get(self, path: str) -> Any:
+        """GET; the decoded reply."""
+        return await self._call("GET", path, None, ())
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None, accept: tuple[int, ...]) -> Any:
+        assert self._session is not None, "use EngineClient as an async context manager"
+        url = self.url + path
+        try:
+            async with self._session.request(method, url, json=body) as response:
+                text = await response.text()
+                if response.status >= 300 and response.status not in accept:
+                    raise EngineError(f"{method} {url}: HTTP {response.status}: {text[:300]}")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise EngineError(f"{method} {url}: {type(e).__name__}: {e}") from None
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+@contextlib.asynccontextmanager
+async def paused(
+    engine: EngineClient, pause: str, resume: str, body: dict[str, Any] | None = None
+) -> AsyncIterator[None]:
+    """Generation paused for the body; resumed after it, also when it failed (that error wins)."""
+    await engine.post(pause, body or {})
     try:
-        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
-            text = await response.text()
-            if response.status >= 300:
-                raise EngineError(f"POST {url}: HTTP {response.status}: {text[:300]}")
-            if not text.strip():
-                return None
-            try:
-                return await response.json(content_type=None)
-            except ValueError:
-                return text
-    except (aiohttp.ClientError, TimeoutError) as e:
-        raise EngineError(f"POST {url}: {type(e).__name__}: {e}") from None
+        yield
+    except BaseException:
+        with contextlib.suppress(EngineError):
+            await engine.post(resume, {})
+        raise
+    await engine.post(resume, {})

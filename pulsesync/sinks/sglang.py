@@ -1,22 +1,26 @@
-"""The `sglang` sink: load each verified step's directory into an SGLang server.
+"""The `sglang` sink: load each verified step's directory into an SGLang server (replies as of 0.5.23).
 
-After the directory sink wrote the step: `POST /pause_generation {"mode": "retract"}`, then
-`POST /update_weights_from_disk {"model_path": DIR, "weight_version": "step-N", "flush_cache": true}`,
-then `POST /continue_generation` (also when the update failed: SGLang keeps its old weights and
-must not stay paused). The update's reply must say `"success": true`, else EngineError.
-See SGLang's "SGLang for RL Systems" guide for these endpoints.
+After the directory sink wrote the step: `GET /model_info` (an engine whose `weight_version`
+already names this step and digest gets nothing), `POST /pause_generation`, `POST
+/update_weights_from_disk {"model_path": DIR, "weight_version": "pulsesync:step-N:DIGEST",
+"flush_cache": true}`, then `POST /continue_generation`, also after a failure. SGLang answers a
+failed load with HTTP 400 `{"success": false, "message": ...}`, and sets `weight_version` only
+after loading succeeded, so after `success: false` the sink asks `/model_info` what it holds:
+the new version means the weights were loaded and only the cache flush was blocked (then it
+flushes with `POST /flush_cache`); anything else means SGLang's own rollback left weights that
+pulsesync cannot name (docs/engines.md).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
-from pulsesync.sinks.http import post_json
+from pulsesync.sinks.http import EngineClient, paused
 
 
 class SGLangSinkConfig(BaseModel):
@@ -27,7 +31,13 @@ class SGLangSinkConfig(BaseModel):
     type: Literal["sglang"] = "sglang"
     url: str = Field(description="the SGLang server, e.g. http://127.0.0.1:30000")
     pause_mode: Literal["retract", "in_place", "abort"] = Field("retract", description="how generation pauses")
+    api_key: str | None = Field(None, description="bearer token, for a server started with --api-key/--admin-api-key")
     timeout_seconds: float = Field(600.0, gt=0, description="per request")
+
+
+def weight_version(update: Update) -> str:
+    """The weight_version an SGLang server reports once it holds this state."""
+    return f"pulsesync:step-{update.step}:{update.digest.root}"
 
 
 class SGLangSink(Sink):
@@ -38,19 +48,46 @@ class SGLangSink(Sink):
     def __init__(self, config: SGLangSinkConfig) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
+        self.serving: Path | None = None  # the directory the server loaded last: kept by the directory sink
+
+    def pinned(self) -> set[Path]:
+        """Directories the server reads from."""
+        return {self.serving} if self.serving is not None else set()
 
     async def deliver(self, update: Update) -> None:
-        """Pause, update from disk, continue; EngineError unless SGLang reports success."""
+        """Bring the server to the update's state; EngineError naming what it then holds unless it succeeded."""
         if update.directory is None:
             raise EngineError("sglang sink: needs a directory sink (out_dir) to write the step first")
-        timeout = self.config.timeout_seconds
-        body = {"model_path": str(update.directory), "weight_version": f"step-{update.step}", "flush_cache": True}
-        async with aiohttp.ClientSession() as session:
-            await post_json(session, f"{self.url}/pause_generation", {"mode": self.config.pause_mode}, timeout)
-            try:
-                reply = await post_json(session, f"{self.url}/update_weights_from_disk", body, timeout)
-            finally:
-                await post_json(session, f"{self.url}/continue_generation", {}, timeout)
-        if not isinstance(reply, dict) or reply.get("success") is not True:
-            message = reply.get("message") if isinstance(reply, dict) else reply
-            raise EngineError(f"sglang sink: {self.url} refused step {update.step}: {message}")
+        version = weight_version(update)
+        async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
+            if await self._version(engine) == version:
+                self.serving = update.directory
+                return
+            body = {"model_path": str(update.directory), "weight_version": version, "flush_cache": True}
+            async with paused(engine, "/pause_generation", "/continue_generation", {"mode": self.config.pause_mode}):
+                reply = await engine.post("/update_weights_from_disk", body, accept=(400,))
+                if _succeeded(reply):
+                    self.serving = update.directory
+                    return
+                message = reply.get("message") if isinstance(reply, dict) else reply
+                if await self._version(engine) != version:
+                    raise EngineError(
+                        f"sglang sink: {self.url} refused step {update.step}: {message} "
+                        "(its weights are unknown until a load succeeds)"
+                    )
+                self.serving = update.directory  # loaded; the cache flush was blocked by running requests
+                try:
+                    await engine.post("/flush_cache", {})  # 200, or 400 while requests still hold the cache
+                except EngineError as e:
+                    raise EngineError(
+                        f"sglang sink: {self.url} holds step {update.step} but kept its cache ({e})"
+                    ) from None
+
+    async def _version(self, engine: EngineClient) -> str | None:
+        info = await engine.get("/model_info")
+        version = info.get("weight_version") if isinstance(info, dict) else None
+        return version if isinstance(version, str) else None
+
+
+def _succeeded(reply: Any) -> bool:
+    return isinstance(reply, dict) and reply.get("success") is True

@@ -1,0 +1,114 @@
+"""The update file a sidecar hands an engine: which state it makes, what it applies to, the tensors (pure).
+
+One safetensors file in checkpoint coordinates (the names and shapes of the published state):
+a whole tensor under its name, or a sparse one as `NAME::pulsesync_index` (flat positions, int32
+where they fit, else int64) and `NAME::pulsesync_values` (the new values, the state's dtype).
+Its metadata says the step and state digest the engine holds once it is applied, and `base`: the
+state digest the engine must hold for it to apply ("" for a full update, which applies to any
+state and names every tensor). Parsing checks the structure only; an engine checks its own names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field
+
+import torch
+
+from pulsesync.digest import StateDigest
+from pulsesync.errors import EngineError
+
+INDEX_SUFFIX = "::pulsesync_index"
+VALUE_SUFFIX = "::pulsesync_values"
+META_STEP = "pulsesync.step"
+META_DIGEST = "pulsesync.digest"
+META_BASE = "pulsesync.base"
+
+
+@dataclass
+class WeightUpdate:
+    """Tensors that move an engine from the state `base` (None: any) to `digest` at `step`."""
+
+    step: int
+    digest: str
+    base: str | None
+    whole: dict[str, torch.Tensor] = field(default_factory=dict)
+    sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # positions, values
+
+    @property
+    def names(self) -> set[str]:
+        """Every tensor the update touches."""
+        return set(self.whole) | set(self.sparse)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        sizes = [t.nbytes for t in self.whole.values()] + [i.nbytes + v.nbytes for i, v in self.sparse.values()]
+        return sum(sizes)
+
+    def to_file(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Tensors and metadata for safetensors' save_file."""
+        tensors = dict(self.whole)
+        for name, (positions, values) in self.sparse.items():
+            tensors[name + INDEX_SUFFIX], tensors[name + VALUE_SUFFIX] = positions, values
+        meta = {META_STEP: str(self.step), META_DIGEST: self.digest, META_BASE: self.base or ""}
+        return tensors, meta
+
+    @classmethod
+    def from_file(
+        cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None, source: str
+    ) -> WeightUpdate:
+        """Parse save_file's parts back; EngineError naming `source` if they are not a well-formed update."""
+        meta = meta or {}
+        try:
+            step, digest, base = int(meta[META_STEP]), meta[META_DIGEST], meta[META_BASE]
+        except (KeyError, ValueError):
+            raise EngineError(f"{source}: not a pulsesync update file (metadata {dict(meta)!r})") from None
+        update = cls(step, digest, base or None)
+        for key, t in tensors.items():
+            if key.endswith(VALUE_SUFFIX):
+                continue
+            if not key.endswith(INDEX_SUFFIX):
+                update.whole[key] = t
+                continue
+            name = key.removesuffix(INDEX_SUFFIX)
+            values = tensors.get(name + VALUE_SUFFIX)
+            if values is None or t.dim() != 1 or values.shape != t.shape or t.dtype not in (torch.int32, torch.int64):
+                raise EngineError(f"{source}: sparse entry {name!r} has no matching 1-D positions and values")
+            update.sparse[name] = (t, values)
+        orphans = {k.removesuffix(VALUE_SUFFIX) for k in tensors if k.endswith(VALUE_SUFFIX)} - set(update.sparse)
+        if orphans:
+            raise EngineError(f"{source}: values without positions for {sorted(orphans)[0]!r}")
+        if base is None and update.sparse:
+            raise EngineError(f"{source}: a full update cannot hold sparse entries")
+        return update
+
+
+def build_update(
+    step: int,
+    state: Mapping[str, torch.Tensor],
+    digest: StateDigest,
+    base: StateDigest | None,
+    changes: Mapping[str, torch.Tensor | None] | None,
+    skip: Set[str] = frozenset(),
+) -> WeightUpdate:
+    """The update from `base` (None: a full update) to `state`, leaving out `skip` (aliases the engine ties).
+
+    Against a base it holds the tensors whose digest changed: sparse where `changes` knows the
+    changed positions (they must be relative to `base`), whole otherwise.
+    """
+    update = WeightUpdate(step, digest.root, base.root if base is not None else None)
+    for name, new in state.items():
+        if name in skip:
+            continue
+        if base is not None:
+            before = base.tensors.get(name)
+            if before is not None and before == digest.tensors.get(name):
+                continue
+            positions = changes.get(name) if changes is not None and before is not None else None
+            if positions is not None:
+                narrow = torch.int32 if new.numel() < 2**31 else torch.int64
+                update.sparse[name] = (positions.to(narrow), new.reshape(-1)[positions].contiguous())
+                continue
+        update.whole[name] = new.contiguous()
+    return update

