@@ -1,8 +1,8 @@
 """Sinks and the subscribe CLI, fed by the real publisher.
 
-vLLM and SGLang are not installable here. Their HTTP calls go to a local stand-in server (aiohttp on
-127.0.0.1) that records every request; the vLLM stand-in runs pulsesync's real worker extension
-on a real `transformers` model, so the apply logic is tested on real parameters.
+The real vLLM server is tested in test_vllm_engine.py (`pytest -m engine`); here its worker-side
+applier runs on real `transformers` parameters and on modules laid out as vLLM lays them out.
+SGLang cannot run here (no CPU build of sgl-kernel): a local stand-in replies as SGLang 0.5.23 does.
 """
 
 from __future__ import annotations
@@ -11,20 +11,25 @@ import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from safetensors.torch import load_file
 
 from pulsesync.cli import main
+from pulsesync.digest import state_digest
 from pulsesync.errors import EngineError
 from pulsesync.protocol import signing
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.sinks import CommandSinkConfig, SGLangSinkConfig, VLLMSinkConfig
-from pulsesync.sinks.vllm import INDEX_SUFFIX, PulseSyncWorkerExtension, apply_update, build_update
+from pulsesync.sinks import CommandSinkConfig, DirectorySink, DirectorySinkConfig, SGLangSinkConfig
+from pulsesync.sinks.base import Update
+from pulsesync.sinks.directory import recorded
+from pulsesync.sinks.vllm_worker import WeightApplier
+from pulsesync.sinks.weight_update import WeightUpdate, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
@@ -78,18 +83,23 @@ class StandIn:
     def __init__(self, replies: dict[str, Any]) -> None:
         self.replies = replies  # path -> JSON reply, or a callable(body) -> reply
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.auth: set[str] = set()
+
+    def reply(self, path: str, body: dict[str, Any]) -> web.Response:
+        reply = self.replies.get(path)
+        if reply is None:
+            return web.Response(status=404)
+        return web.json_response(reply(body) if callable(reply) else reply)
 
     async def __aenter__(self) -> str:
         async def handle(request: web.Request) -> web.Response:
             body = await request.json() if request.can_read_body else {}
             self.requests.append((request.path, body))
-            reply = self.replies.get(request.path)
-            if reply is None:
-                return web.Response(status=404)
-            return web.json_response(reply(body) if callable(reply) else reply)
+            self.auth.add(request.headers.get("Authorization", ""))
+            return self.reply(request.path, body)
 
         app = web.Application()
-        app.router.add_route("POST", "/{tail:.*}", handle)
+        app.router.add_route("*", "/{tail:.*}", handle)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -126,109 +136,204 @@ async def test_directory_sink_output_opens_with_from_pretrained_and_gives_the_pu
     assert torch.equal(logits(loaded).view(torch.int16), logits(reference).view(torch.int16))
 
 
-async def test_sglang_sink_pauses_updates_from_disk_and_continues(
+class SGLang(StandIn):
+    """SGLang 0.5.23's replies, read from its server source (it cannot run here: no CPU build of sgl-kernel).
+
+    `/model_info` reports `weight_version`, set only after a load succeeded; a failed load answers
+    HTTP 400 `{"success": false, "message": ...}`; with running requests holding the cache, the
+    flush after a successful load fails and the reply says `success: false` although the weights
+    changed. Replies to pause/continue are 200 with an empty body.
+    """
+
+    def __init__(self) -> None:
+        self.version = "launch"
+        self.fail: str | None = None  # "load" or "flush"
+        super().__init__({})
+
+    def reply(self, path: str, body: dict[str, Any]) -> web.Response:
+        if path == "/model_info":
+            return web.json_response({"model_path": "/launch", "weight_version": self.version})
+        if path == "/update_weights_from_disk":
+            if self.fail == "load":
+                return web.json_response({"success": False, "message": "Failed to load weights"}, status=400)
+            if self.fail == "flush":  # the weights changed, weight_version did not
+                return web.json_response({"success": False, "message": "Cache flush failed after updating weights"})
+            self.version = body["weight_version"]
+            return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+        return web.Response(status=200)
+
+
+async def test_sglang_sink_follows_sglangs_replies_and_knows_what_it_holds(
     published: tuple[FileStore, Any], tmp_path: Path
 ) -> None:
     store, trusted = published
-    replies: dict[str, Any] = {
-        "/pause_generation": {},
-        "/update_weights_from_disk": {"success": True, "message": "ok"},
-        "/continue_generation": {},
-    }
-    stand_in = StandIn(replies)
-    async with stand_in as url:
-        config = SubscriberConfig(out_dir=tmp_path / "out", sinks=[SGLangSinkConfig(url=url)])
+    sglang = SGLang()
+    async with sglang as url:
+        out = DirectorySinkConfig(out_dir=tmp_path / "out", keep=1)
+        config = SubscriberConfig(sinks=[out, SGLangSinkConfig(url=url, api_key="s3cret")])
         sub = Subscriber(config, store=store, trusted=trusted)
         await sub.sync(2)
-        assert stand_in.requests == [
-            ("/pause_generation", {"mode": "retract"}),
-            (
-                "/update_weights_from_disk",
-                {
-                    "model_path": str(tmp_path / "out" / "step-000000000002"),
-                    "weight_version": "step-2",
-                    "flush_cache": True,
-                },
-            ),
-            ("/continue_generation", {}),
-        ]
-        replies["/update_weights_from_disk"] = {"success": False, "message": "out of memory"}
-        with pytest.raises(EngineError, match="refused step 3: out of memory"):
-            await sub.sync()
-        assert stand_in.requests[-1][0] == "/continue_generation"  # never left paused
-        assert sub.step == 2  # the engine kept its weights; so does the subscriber
-        replies["/update_weights_from_disk"] = {"success": True}
-        assert (await sub.sync()).step == 3
-        assert stand_in.requests[-2][1]["weight_version"] == "step-3"
+        step2 = tmp_path / "out" / "step-000000000002"
+        paths = [p for p, _ in sglang.requests]
+        assert paths == ["/model_info", "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+        assert sglang.requests[1][1] == {"mode": "retract"}
+        assert sub.digest is not None
+        assert sglang.requests[2][1] == {
+            "model_path": str(step2),
+            "weight_version": f"pulsesync:step-2:{sub.digest.root}",
+            "flush_cache": True,
+        }
+        assert sglang.auth == {"Bearer s3cret"}
+        for fail in ("load", "flush"):
+            sglang.fail = fail
+            with pytest.raises(EngineError, match=r"failed step 3: .*weights are unknown"):
+                await sub.sync(3)
+            assert sglang.requests[-1][0] == "/continue_generation"  # never left paused
+            assert sub.step == 2
+        sglang.fail = None
+        assert (await sub.sync(3)).step == 3
+        assert not step2.exists()  # keep=1 once SGLang no longer reads it
+        sglang.requests.clear()
+        restarted = Subscriber(config, store=store, trusted=trusted)
+        await restarted.sync(3)  # SGLang already reports this step and digest: nothing is loaded
+        assert [p for p, _ in sglang.requests] == ["/model_info"]
 
 
-class _Worker(PulseSyncWorkerExtension):
-    """A vLLM worker stand-in: the extension's methods on a real transformers model."""
-
-    def __init__(self, model: Any) -> None:
-        self.model_runner = type("ModelRunner", (), {"model": model})()
-
-
-async def test_vllm_sink_applies_sparse_updates_through_the_worker_extension(
-    published: tuple[FileStore, Any], states: list[dict[str, torch.Tensor]], tmp_path: Path
-) -> None:
-    store, trusted = published
-    engine = tiny_qwen2(seed=1)  # starts from other weights, like a server that loaded an old checkpoint
-    worker = _Worker(engine)
-
-    def collective_rpc(body: dict[str, Any]) -> dict[str, Any]:
-        return {"results": [getattr(worker, body["method"])(*body["args"])]}
-
-    stand_in = StandIn({"/collective_rpc": collective_rpc, "/reset_prefix_cache": {}})
-    async with stand_in as url:
-        sink = VLLMSinkConfig(url=url, update_dir=tmp_path / "updates")
-        sub = Subscriber(SubscriberConfig(sinks=[sink]), store=store, trusted=trusted)
-        for step in range(4):
-            await sub.sync(step)
-            assert_states_equal(dict(engine.state_dict()), states[step])
-    calls = [(p, b.get("method")) for p, b in stand_in.requests]
-    assert calls[:3] == [
-        ("/collective_rpc", "pulsesync_param_shapes"),
-        ("/collective_rpc", "pulsesync_apply"),
-        ("/reset_prefix_cache", None),
-    ]
-    assert calls.count(("/collective_rpc", "pulsesync_apply")) == 4
-    last = json.loads(json.dumps(stand_in.requests[-2][1]))["args"][0]
-    assert Path(last).name == "update-000000000003.safetensors" and len(list((tmp_path / "updates").iterdir())) == 1
+async def test_directory_sink_keeps_what_an_engine_serves_and_reuses_only_matching_steps(tmp_path: Path) -> None:
+    state = {"w": torch.ones(4, dtype=torch.bfloat16)}
+    other = {"w": torch.zeros(4, dtype=torch.bfloat16)}
+    pinned: set[Path] = set()
+    sink = DirectorySink(DirectorySinkConfig(out_dir=tmp_path, keep=1), lambda: pinned)
+    for s in (other, state):  # another run's step 5 first
+        await sink.deliver(Update(5, s, state_digest(s), {}))
+    assert recorded(tmp_path / "step-000000000005") == {"step": 5, "digest": state_digest(state).root}
+    loaded = load_file(str(next((tmp_path / "current").glob("*.safetensors"))))
+    assert torch.equal(loaded["w"].view(torch.int16), state["w"].view(torch.int16))
+    pinned.add(tmp_path / "step-000000000005")
+    await sink.deliver(Update(6, other, state_digest(other), {}))
+    assert (tmp_path / "step-000000000005").exists()
+    pinned.clear()
+    await sink.deliver(Update(7, state, state_digest(state), {}))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000000007"]
 
 
-def test_update_files_are_sparse_where_the_engine_holds_whole_tensors(states: list[dict[str, torch.Tensor]]) -> None:
+def copying_loader(model: torch.nn.Module) -> Any:
+    """A stand-in for vLLM's reload_weights on a plain module: copy each tensor into the parameter."""
+    params = dict(model.named_parameters())
+
+    def reload(weights_iterator: Any) -> None:
+        with torch.no_grad():
+            for name, t in weights_iterator:
+                params[name].data.copy_(t)
+
+    return reload
+
+
+def test_weight_applier_validates_before_it_changes_anything(states: list[dict[str, torch.Tensor]]) -> None:
     from pulsesync.codec import UndoLog, apply_patch, encode_patch
-    from pulsesync.digest import state_digest
 
-    old, new = states[0], states[1]
-    undo = UndoLog()  # the changed positions come from applying the real patch, as in the subscriber
-    patched = {n: t.clone() for n, t in old.items()}
-    digest = apply_patch(patched, encode_patch(old, new), undo=undo)
+    engine = tiny_qwen2(seed=1)
+    applier = WeightApplier(engine, copying_loader(engine))
+    assert applier.layout.aliases == {} and "model.norm.weight" in applier.layout.slots
+    full = build_update(0, states[0], state_digest(states[0]), None, None)
+    assert applier.apply(full, "full")["reloaded"] == len(states[0])
+    assert_states_equal(dict(engine.state_dict()), states[0])
+    undo = UndoLog()
+    patched = {n: t.clone() for n, t in states[0].items()}
+    digest = apply_patch(patched, encode_patch(states[0], states[1]), undo=undo)
     assert digest is not None
-    whole_names = {n: tuple(t.shape) for n, t in old.items() if "mlp" not in n}
-    update = build_update(patched, digest, state_digest(old), undo.changed(), whole_names)
-    assert any(k.endswith(INDEX_SUFFIX) for k in update) and any("mlp" in k and "::" not in k for k in update)
-    engine = tiny_qwen2()
-    engine.load_state_dict(old)
-    counts = apply_update(engine, update)
-    assert counts["sparse"] > 0 and counts["whole"] > 0
-    assert_states_equal(dict(engine.state_dict()), new)
+    delta = build_update(1, patched, digest, state_digest(states[0]), undo.changed())
+    assert delta.sparse  # where patch records list positions; tensors the patch rewrote densely go whole
+    changed = sum(int(i.numel()) for i, _ in delta.sparse.values())
+    assert delta.nbytes == changed * (4 + 2) + sum(t.nbytes for t in delta.whole.values())  # int32 positions
+    tensors, meta = delta.to_file()
+    assert WeightUpdate.from_file(tensors, meta, "f").names == delta.names
+    held = applier.held()
+    norm = "model.norm.weight"
+    bad = [
+        (WeightUpdate(2, "x", held["digest"], whole={"nope.weight": torch.zeros(1)}), "does not hold"),
+        (WeightUpdate(2, "x", held["digest"], whole={norm: torch.zeros(3)}), "the engine holds"),
+        (WeightUpdate(2, "x", "another-state", whole={}), "the engine holds"),
+        (WeightUpdate(2, "x", None, whole={norm: torch.zeros(64)}), "full update lacks"),
+        (WeightUpdate(2, "x", held["digest"], sparse={norm: (torch.tensor([64]), torch.ones(1))}), "outside"),
+    ]
+    for update, message in bad:
+        with pytest.raises(EngineError, match=message):
+            applier.apply(update, "bad")
+        assert applier.held() == held
+        assert_states_equal(dict(engine.state_dict()), states[0])
+    result = applier.apply(delta, "delta")
+    assert result["written"] == len(delta.names) and result["reloaded"] == 0
+    assert_states_equal(dict(engine.state_dict()), states[1])
+    assert applier.held() == {"step": 1, "digest": digest.root}
+    with pytest.raises(EngineError, match="not a pulsesync update"):
+        WeightUpdate.from_file(tensors, {}, "f")
 
-    class Fused(torch.nn.Module):  # vLLM-style: checkpoint names differ; load_weights maps them
+
+def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() -> None:
+    class Linear(torch.nn.Module):
+        def __init__(self, rows: int, output_sizes: list[int] | None = None, packed: bool = False) -> None:
+            super().__init__()
+            self.input_size, self.output_size = 4, rows
+            if output_sizes:
+                self.output_sizes = output_sizes
+            self.weight = torch.nn.Parameter(torch.zeros(0 if packed else rows, 4, dtype=torch.bfloat16))
+            if packed:
+                self.cpu_linear = None  # vLLM on CPU: the forward pass reads a packed copy
+
+    class Model(torch.nn.Module):  # vLLM's naming: qkv_proj fused from q/k/v; lm_head tied to embed
+        packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
         def __init__(self) -> None:
             super().__init__()
-            self.fused = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
-            self.loaded: list[str] = []
+            self.embed = torch.nn.Embedding(8, 4)
+            self.qkv_proj = Linear(8, [4, 2, 2])
+            self.o_proj = Linear(4, packed=True)
+            self.lm_head = torch.nn.Module()
+            self.lm_head.weight = self.embed.weight
 
-        def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-            self.loaded += [name for name, _ in weights]
+    model = Model()
+    reloaded: list[list[str]] = []
 
-    fused = Fused()
-    apply_update(fused, {"a.weight": torch.ones(2, 3, dtype=torch.bfloat16)})
-    assert fused.loaded == ["a.weight"]
-    with pytest.raises(EngineError, match="does not hold"):
-        apply_update(fused, {"x" + INDEX_SUFFIX: torch.tensor([0]), "x::pulsesync_values": torch.ones(1)})
+    def reload(weights_iterator: Any) -> None:  # vLLM's loader: fused blocks by rows; o_proj repacked away
+        weights = list(weights_iterator)
+        reloaded.append([n for n, _ in weights])
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, t in weights:
+                slot = applier.layout.slots[name]
+                if name != "o_proj.weight":
+                    params[slot.param].narrow(0, slot.row_offset, slot.shape[0]).copy_(t)
+
+    applier = WeightApplier(model, reload)
+    layout = applier.layout
+    assert layout.aliases == {"lm_head.weight": "embed.weight"}
+    assert (layout.slots["k_proj.weight"].row_offset, layout.slots["k_proj.weight"].shape) == (4, (2, 4))
+    assert layout.slots["o_proj.weight"].shape == (4, 4) and "o_proj" not in layout.in_place
+    state = {
+        "embed.weight": torch.ones(8, 4),
+        "q_proj.weight": torch.full((4, 4), 1.0, dtype=torch.bfloat16),
+        "k_proj.weight": torch.full((2, 4), 2.0, dtype=torch.bfloat16),
+        "v_proj.weight": torch.full((2, 4), 3.0, dtype=torch.bfloat16),
+        "o_proj.weight": torch.full((4, 4), 4.0, dtype=torch.bfloat16),
+    }
+    applier.apply(WeightUpdate(0, "s0", None, whole=state), "full")
+    k_values = torch.tensor([9.0, 8.0], dtype=torch.bfloat16)
+    sparse = {
+        "k_proj.weight": (torch.tensor([1, 6]), k_values),
+        "o_proj.weight": (torch.tensor([0]), torch.tensor([5.0], dtype=torch.bfloat16)),
+        "embed.weight": (torch.tensor([3]), torch.tensor([7.0])),
+    }
+    result = applier.apply(WeightUpdate(1, "s1", "s0", sparse=sparse), "delta")
+    assert (result["written"], result["reloaded"]) == (2, 1)
+    assert reloaded[-1] == ["o_proj.weight"]  # the repacked module alone, whole, from the extension's copy
+    o_proj = applier.shadow["o_proj.weight"].view(-1)[0:2]
+    assert torch.equal(o_proj, torch.tensor([5.0, 4.0], dtype=torch.bfloat16))
+    fused = model.qkv_proj.weight.detach()
+    assert torch.equal(fused[4:6].reshape(-1)[[1, 6]], k_values) and torch.equal(fused[0], state["q_proj.weight"][0])
+    assert float(model.lm_head.weight.view(-1)[3]) == 7.0
+    with pytest.raises(EngineError, match=r"tied to 'embed\.weight'"):
+        applier.apply(WeightUpdate(2, "s2", "s1", whole={"lm_head.weight": torch.ones(8, 4)}), "alias")
 
 
 async def test_command_sink_gets_step_and_directory(published: tuple[FileStore, Any], tmp_path: Path) -> None:

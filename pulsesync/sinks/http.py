@@ -22,7 +22,10 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EngineClient:
-        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self.timeout)
+        # A new connection per call: vLLM drops the connection after a 500, and a pooled one would
+        # then fail the `/resume` that must follow a failed update.
+        connector = aiohttp.TCPConnector(force_close=True)
+        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self.timeout, connector=connector)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

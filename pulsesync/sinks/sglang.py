@@ -4,11 +4,11 @@ After the directory sink wrote the step: `GET /model_info` (an engine whose `wei
 already names this step and digest gets nothing), `POST /pause_generation`, `POST
 /update_weights_from_disk {"model_path": DIR, "weight_version": "pulsesync:step-N:DIGEST",
 "flush_cache": true}`, then `POST /continue_generation`, also after a failure. SGLang answers a
-failed load with HTTP 400 `{"success": false, "message": ...}`, and sets `weight_version` only
-after loading succeeded, so after `success: false` the sink asks `/model_info` what it holds:
-the new version means the weights were loaded and only the cache flush was blocked (then it
-flushes with `POST /flush_cache`); anything else means SGLang's own rollback left weights that
-pulsesync cannot name (docs/engines.md).
+failed load with HTTP 400 `{"success": false, "message": ...}` and sets `weight_version` only
+after a load succeeded. A failure leaves weights pulsesync cannot name: SGLang's rollback reloads
+the new path, and a cache flush blocked by running requests reports failure after the weights
+changed; so the next delivery reloads the whole step. Generation pauses in `retract` or `abort`
+mode only: `in_place` keeps requests whose cache blocks the flush (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ class SGLangSinkConfig(BaseModel):
 
     type: Literal["sglang"] = "sglang"
     url: str = Field(description="the SGLang server, e.g. http://127.0.0.1:30000")
-    pause_mode: Literal["retract", "in_place", "abort"] = Field("retract", description="how generation pauses")
+    pause_mode: Literal["retract", "abort"] = Field(
+        "retract", description="how generation pauses (in_place would keep caches the flush cannot clear)"
+    )
     api_key: str | None = Field(None, description="bearer token, for a server started with --api-key/--admin-api-key")
     timeout_seconds: float = Field(600.0, gt=0, description="per request")
 
@@ -70,18 +72,11 @@ class SGLangSink(Sink):
                     self.serving = update.directory
                     return
                 message = reply.get("message") if isinstance(reply, dict) else reply
-                if await self._version(engine) != version:
-                    raise EngineError(
-                        f"sglang sink: {self.url} refused step {update.step}: {message} "
-                        "(its weights are unknown until a load succeeds)"
-                    )
-                self.serving = update.directory  # loaded; the cache flush was blocked by running requests
-                try:
-                    await engine.post("/flush_cache", {})  # 200, or 400 while requests still hold the cache
-                except EngineError as e:
-                    raise EngineError(
-                        f"sglang sink: {self.url} holds step {update.step} but kept its cache ({e})"
-                    ) from None
+                self.serving = None  # SGLang's rollback reloads the new path: its weights are unknown
+                raise EngineError(
+                    f"sglang sink: {self.url} failed step {update.step}: {message} "
+                    "(its weights are unknown until a load succeeds)"
+                )
 
     async def _version(self, engine: EngineClient) -> str | None:
         info = await engine.get("/model_info")
