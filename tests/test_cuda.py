@@ -24,7 +24,8 @@ from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.sinks.vllm import INDEX_SUFFIX, apply_update, build_update
+from pulsesync.sinks.vllm_worker import WeightApplier
+from pulsesync.sinks.weight_update import build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
@@ -118,13 +119,23 @@ def test_vllm_worker_extension_applies_sparse_updates_to_cuda_parameters() -> No
     patched, undo = to(old, "cpu"), UndoLog()
     digest = apply_patch(patched, encode_patch(old, new), undo=undo)
     assert digest is not None
-    update = build_update(patched, digest, state_digest(old), undo.changed(), {"a.weight": (128, 32)})
-    assert "a.weight" + INDEX_SUFFIX in update and "b.bias" in update
 
     model = torch.nn.Module()
     model.a, model.b = torch.nn.Module(), torch.nn.Module()
-    model.a.weight = torch.nn.Parameter(old["a.weight"].to("cuda", copy=True))
-    model.b.bias = torch.nn.Parameter(old["b.bias"].to("cuda", copy=True))
-    assert apply_update(model, update) == {"sparse": 1, "whole": 1}
+    model.a.weight = torch.nn.Parameter(torch.zeros(128, 32, dtype=torch.bfloat16, device="cuda"))
+    model.b.bias = torch.nn.Parameter(torch.zeros(32, device="cuda"))
+    params = dict(model.named_parameters())
+
+    def reload(weights_iterator: list[tuple[str, torch.Tensor]]) -> None:  # vLLM's loader, for plain modules
+        with torch.no_grad():
+            for name, t in weights_iterator:
+                params[name].copy_(t)
+
+    applier = WeightApplier(model, reload)
+    applier.apply(build_update(0, old, state_digest(old), None, None), "full")
+    assert applier.layout.in_place == {"a", "b"}
+    update = build_update(1, patched, digest, state_digest(old), undo.changed())
+    assert "a.weight" in update.sparse
+    assert applier.apply(update, "delta")["written"] == 2
     assert model.a.weight.device.type == "cuda"
     assert_states_equal(to(dict(model.state_dict()), "cpu"), new)

@@ -331,7 +331,7 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
     assert torch.equal(o_proj, torch.tensor([5.0, 4.0], dtype=torch.bfloat16))
     fused = model.qkv_proj.weight.detach()
     assert torch.equal(fused[4:6].reshape(-1)[[1, 6]], k_values) and torch.equal(fused[0], state["q_proj.weight"][0])
-    assert float(model.lm_head.weight.view(-1)[3]) == 7.0
+    assert float(model.lm_head.weight.detach().view(-1)[3]) == 7.0
     with pytest.raises(EngineError, match=r"tied to 'embed\.weight'"):
         applier.apply(WeightUpdate(2, "s2", "s1", whole={"lm_head.weight": torch.ones(8, 4)}), "alias")
 

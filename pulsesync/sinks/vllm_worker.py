@@ -134,6 +134,7 @@ def _view(params: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    b = b.to(a.device)  # engine parameters live on the GPU, update tensors on the host
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
