@@ -95,7 +95,8 @@ class EngineProxy:
         await self._runner.setup()
         port = free_port()
         await web.TCPSite(self._runner, "127.0.0.1", port).start()
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        connector = aiohttp.TCPConnector(force_close=True)  # vLLM drops the connection after a 500
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=connector)
         return f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
