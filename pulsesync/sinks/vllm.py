@@ -79,8 +79,9 @@ class VLLMSink(Sink):
         """Bring the engine to the update's state; EngineError (naming what it holds) if it cannot."""
         async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
             held = await self.held(engine)
-            if held == update.digest.root:
-                return  # e.g. a restarted sidecar whose cached step the engine still serves
+            if held == update.digest.root:  # a restarted sidecar, or a reset that failed after the apply
+                await self._reset_prefix_cache(engine, update)
+                return
             if (await engine.get("/is_sleeping")).get("is_sleeping"):
                 raise EngineError(f"vllm sink: {self.url} is sleeping; step {update.step} not delivered")
             layout = (await self._rpc(engine, "pulsesync_layout"))[0]
@@ -99,14 +100,16 @@ class VLLMSink(Sink):
             try:
                 async with paused(engine, f"/pause?mode={self.config.pause_mode}", "/resume"):
                     await self._rpc(engine, "pulsesync_apply", str(path))
-                    reply = await engine.post("/reset_prefix_cache?reset_running_requests=true", {})
-                    if not isinstance(reply, dict) or reply.get("success") is not True:
-                        raise EngineError(
-                            f"vllm sink: {self.url} holds step {update.step} but did not reset its prefix cache "
-                            f"({reply!r})"
-                        )
+                    await self._reset_prefix_cache(engine, update)
             finally:
                 path.unlink(missing_ok=True)  # the workers read it; it can be model-sized
+
+    async def _reset_prefix_cache(self, engine: EngineClient, update: Update) -> None:
+        reply = await engine.post("/reset_prefix_cache?reset_running_requests=true", {})
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise EngineError(
+                f"vllm sink: {self.url} holds step {update.step} but did not reset its prefix cache ({reply!r})"
+            )
 
     def _aliases(self, update: Update, aliases: dict[str, str]) -> set[str]:
         """Names the engine ties to another: sent once, and only when the state agrees they are equal."""
