@@ -30,7 +30,7 @@ from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.synthetic import SyntheticTrainer
-from tests.support.helpers import assert_states_equal, mutate, random_bits
+from tests.support.helpers import assert_states_equal, copying_loader, mutate, random_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -124,14 +124,7 @@ def test_vllm_worker_extension_applies_sparse_updates_to_cuda_parameters() -> No
     model.a, model.b = torch.nn.Module(), torch.nn.Module()
     model.a.weight = torch.nn.Parameter(torch.zeros(128, 32, dtype=torch.bfloat16, device="cuda"))
     model.b.bias = torch.nn.Parameter(torch.zeros(32, device="cuda"))
-    params = dict(model.named_parameters())
-
-    def reload(weights_iterator: list[tuple[str, torch.Tensor]]) -> None:  # vLLM's loader, for plain modules
-        with torch.no_grad():
-            for name, t in weights_iterator:
-                params[name].copy_(t)
-
-    applier = WeightApplier(model, reload)
+    applier = WeightApplier(model, copying_loader(model))
     applier.apply(build_update(0, old, state_digest(old), None, None), "full")
     assert applier.layout.in_place == {"a", "b"}
     update = build_update(1, patched, digest, state_digest(old), undo.changed())

@@ -33,7 +33,7 @@ from pulsesync.sinks.weight_update import WeightUpdate, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.helpers import assert_states_equal
+from tests.support.helpers import assert_states_equal, copying_loader
 
 transformers = pytest.importorskip("transformers")
 
@@ -215,18 +215,6 @@ async def test_directory_sink_keeps_what_an_engine_serves_and_reuses_only_matchi
     pinned.clear()
     await sink.deliver(Update(7, state, state_digest(state), {}))
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000000007"]
-
-
-def copying_loader(model: torch.nn.Module) -> Any:
-    """A stand-in for vLLM's reload_weights on a plain module: copy each tensor into the parameter."""
-    params = dict(model.named_parameters())
-
-    def reload(weights_iterator: Any) -> None:
-        with torch.no_grad():
-            for name, t in weights_iterator:
-                params[name].data.copy_(t)
-
-    return reload
 
 
 def test_weight_applier_validates_before_it_changes_anything(states: list[dict[str, torch.Tensor]]) -> None:

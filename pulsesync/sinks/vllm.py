@@ -16,7 +16,7 @@ running requests (its reply must say success), and resume, also after a failure.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import save_file
@@ -26,9 +26,17 @@ from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.http import EngineClient, paused
 from pulsesync.sinks.vllm_worker import PulseSyncWorkerExtension
-from pulsesync.sinks.weight_update import WeightUpdate, build_update
+from pulsesync.sinks.weight_update import build_update
 
 __all__ = ["PulseSyncWorkerExtension", "VLLMSink", "VLLMSinkConfig"]
+
+
+class SentUpdate(NamedTuple):
+    """An update file the sink wrote: its step, base digest (None: full) and tensor bytes."""
+
+    step: int
+    base: str | None
+    nbytes: int
 
 
 class VLLMSinkConfig(BaseModel):
@@ -59,7 +67,7 @@ class VLLMSink(Sink):
     def __init__(self, config: VLLMSinkConfig) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
-        self.last_update: WeightUpdate | None = None  # the last one sent, for reports and tests
+        self.last_update: SentUpdate | None = None  # what the last delivery sent (not its tensors)
 
     async def _rpc(self, engine: EngineClient, method: str, *args: Any) -> list[dict[str, Any]]:
         body = {"method": method, "args": list(args), "kwargs": {}, "timeout": self.config.timeout_seconds}
@@ -96,7 +104,7 @@ class VLLMSink(Sink):
             path = self.config.update_dir / f"update-{update.step:012d}.safetensors"
             tensors, meta = weights.to_file()
             replace_with(path, lambda p: save_file(tensors, str(p), metadata=meta))
-            self.last_update = weights
+            self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes)
             try:
                 async with paused(engine, f"/pause?mode={self.config.pause_mode}", "/resume"):
                     await self._rpc(engine, "pulsesync_apply", str(path))

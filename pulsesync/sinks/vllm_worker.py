@@ -224,7 +224,7 @@ class WeightApplier:
     def _write(self, target: torch.Tensor | None, update: WeightUpdate, name: str) -> None:
         if name in update.whole:
             if target is None:
-                self.shadow[name] = update.whole[name].clone()
+                self.shadow[name] = update.whole[name]  # read from the update file: owned, no copy needed
             else:
                 target.copy_(update.whole[name])
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -133,3 +134,15 @@ def publisher_config(**overrides: object) -> PublisherConfig:
     """Small shards (several per anchor) and no skipping unless a test asks for it."""
     defaults: dict[str, object] = {"anchor_interval": 10, "shard_size": 256 << 10, "on_backpressure": "block"}
     return PublisherConfig.model_validate(defaults | overrides)
+
+
+def copying_loader(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
+    """A stand-in for vLLM's reload_weights on a plain module: copy each tensor into its parameter."""
+    params = dict(model.named_parameters())
+
+    def reload(weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, t in weights_iterator:
+                params[name].data.copy_(t)
+
+    return reload

@@ -9,6 +9,7 @@ which cannot be provoked on cue on a real server.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -114,8 +115,6 @@ class EngineProxy:
         body: object = None
         if data:
             try:
-                import json
-
                 body = json.loads(data)
             except ValueError:
                 body = None
