@@ -19,6 +19,7 @@ copy of its checkpoint tensors kept by the extension so that sparse updates stay
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -175,9 +176,7 @@ class WeightApplier:
                     f"{source}: {name!r} is {t.dtype} {tuple(t.shape)}, the engine holds {slots[name].shape}"
                 )
         for name, (positions, values) in update.sparse.items():
-            numel = 1
-            for d in slots[name].shape:
-                numel *= d
+            numel = math.prod(slots[name].shape)
             if not values.is_floating_point() or (
                 len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < numel
             ):
