@@ -269,6 +269,17 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
             if packed:
                 self.cpu_linear = None  # vLLM on CPU: the forward pass reads a packed copy
 
+    class PackingMethod:  # vLLM's CPU lm_head: logits from a copy packed after loading
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            layer.packed = layer.weight.detach().clone()
+
+    class TiedHead(torch.nn.Module):
+        def __init__(self, embed: torch.nn.Embedding) -> None:
+            super().__init__()
+            self.weight = embed.weight
+            self.quant_method = PackingMethod()
+            self.quant_method.process_weights_after_loading(self)
+
     class Model(torch.nn.Module):  # vLLM's naming: qkv_proj fused from q/k/v; lm_head tied to embed
         packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
@@ -277,8 +288,7 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
             self.embed = torch.nn.Embedding(8, 4)
             self.qkv_proj = Linear(8, [4, 2, 2])
             self.o_proj = Linear(4, packed=True)
-            self.lm_head = torch.nn.Module()
-            self.lm_head.weight = self.embed.weight
+            self.lm_head = TiedHead(self.embed)
 
     model = Model()
     reloaded: list[list[str]] = []
@@ -320,6 +330,8 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
     fused = model.qkv_proj.weight.detach()
     assert torch.equal(fused[4:6].reshape(-1)[[1, 6]], k_values) and torch.equal(fused[0], state["q_proj.weight"][0])
     assert float(model.lm_head.weight.detach().view(-1)[3]) == 7.0
+    # vLLM reprocesses only the module it loaded: the tied head's packed copy must be redone too
+    assert torch.equal(model.lm_head.packed, model.embed.weight.detach())
     with pytest.raises(EngineError, match=r"tied to 'embed\.weight'"):
         applier.apply(WeightUpdate(2, "s2", "s1", whole={"lm_head.weight": torch.ones(8, 4)}), "alias")
 

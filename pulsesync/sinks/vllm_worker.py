@@ -54,6 +54,7 @@ class EngineLayout:
 
     slots: dict[str, Slot]
     aliases: dict[str, str]  # checkpoint name -> the name it is tied to
+    alias_modules: dict[str, str] = field(default_factory=dict)  # checkpoint name -> module of its alias
     in_place: set[str] = field(default_factory=set)  # module names
 
     def describe(self) -> dict[str, Any]:
@@ -95,6 +96,7 @@ def engine_layout(model: torch.nn.Module) -> EngineLayout:
     mapping: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
     slots: dict[str, Slot] = {}
     aliases: dict[str, str] = {}
+    alias_modules: dict[str, str] = {}
     first_name: dict[int, str] = {}
     plain: dict[str, bool] = {}
     for mname, module in model.named_modules(remove_duplicate=False):
@@ -103,6 +105,7 @@ def engine_layout(model: torch.nn.Module) -> EngineLayout:
             full = f"{mname}.{pname}" if mname else pname
             if id(param) in first_name:
                 aliases[full] = first_name[id(param)]
+                alias_modules[full] = mname
                 continue
             first_name[id(param)] = full
             plain[mname] = plain.get(mname, True) and _plain(module, param)
@@ -116,7 +119,7 @@ def engine_layout(model: torch.nn.Module) -> EngineLayout:
                     offset += rows
             else:
                 slots[full] = Slot(mname, full, 0, _checkpoint_shape(module, pname, param, None), False)
-    layout = EngineLayout(slots, aliases)
+    layout = EngineLayout(slots, aliases, alias_modules)
     params = dict(model.named_parameters())
     for slot in slots.values():
         p = params[slot.param]
@@ -211,6 +214,7 @@ class WeightApplier:
                 if batch:
                     self.reload(weights_iterator=self._in_model_order(batch))
                 reloaded = len(batch)
+            self._reprocess_tied(update.names)
         self.held_step, self.held_digest = update.step, update.digest
         return {
             "step": update.step,
@@ -219,6 +223,19 @@ class WeightApplier:
             "reloaded": reloaded,
             "seconds": round(time.perf_counter() - started, 4),
         }
+
+    def _reprocess_tied(self, changed: set[str]) -> None:
+        """Redo the post-load processing of modules tied to a changed tensor.
+
+        vLLM reprocesses only the module it loaded a tensor into; a tied lm_head on CPU computes
+        logits from its own packed copy of the shared weight, which would otherwise go stale.
+        """
+        for alias, name in self.layout.aliases.items():
+            if name in changed:
+                module = self.model.get_submodule(self.layout.alias_modules[alias])
+                process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+                if callable(process):
+                    process(module)
 
     def _write(self, target: torch.Tensor | None, update: WeightUpdate, name: str) -> None:
         if name in update.whole:
