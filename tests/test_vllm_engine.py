@@ -208,6 +208,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
         proxy.seen.clear()
         assert (await sub.sync(6)).step == 6
         assert "/collective_rpc:pulsesync_apply" not in proxy.calls() and "/reset_prefix_cache" in proxy.calls()
+        assert proxy.calls()[-1] == "/resume"
 
         # The engine restarts from step 5's directory: a fresh server there answers as the updated one did.
         engine.stop()

@@ -87,8 +87,9 @@ class VLLMSink(Sink):
         """Bring the engine to the update's state; EngineError (naming what it holds) if it cannot."""
         async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
             held = await self.held(engine)
-            if held == update.digest.root:  # a restarted sidecar, or a reset that failed after the apply
+            if held == update.digest.root:  # a restarted sidecar, or a reset or resume that failed after the apply
                 await self._reset_prefix_cache(engine, update)
+                await engine.post("/resume", {})  # a no-op unless our own failed delivery left it paused
                 return
             if (await engine.get("/is_sleeping")).get("is_sleeping"):
                 raise EngineError(f"vllm sink: {self.url} is sleeping; step {update.step} not delivered")
