@@ -13,6 +13,7 @@ from typing import Any
 from pulsesync import __version__
 from pulsesync.config import Config, load_config
 from pulsesync.errors import PulseSyncError
+from pulsesync.store.s3 import RedactCredentials
 
 log = logging.getLogger("pulsesync")
 
@@ -356,12 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # -vv turns on botocore's debug log, which prints headers
+        handler.addFilter(RedactCredentials())
     logging.getLogger("pulsesync.transfer").setLevel(min(level, logging.INFO))  # progress lines off a terminal
     try:
         result: Any = args.run(args)
         return int(result)
     except PulseSyncError as e:
-        message = " ".join(str(e).split())  # exactly one line, whatever the message holds
+        # Exactly one line, printable whatever bytes the message quotes from the store.
+        message = " ".join(str(e).split()).encode("utf-8", "backslashreplace").decode("utf-8")
         print(f"pulsesync: error: {type(e).__name__}: {message}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

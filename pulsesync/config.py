@@ -53,6 +53,8 @@ def load_config(
             loaded = yaml.safe_load(Path(path).read_text())
         except OSError as e:
             raise ConfigError(f"config file {path}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path}: not UTF-8 text (a binary file?)") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: invalid YAML ({e})".replace("\n", " ")) from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pulsesync.digest import DigestAlgorithm
 from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
 
@@ -73,7 +74,7 @@ class PatchHeader(BaseModel):
     value_coding: str
     zstd_level: int
     chunk_elements: int = Field(gt=0)
-    digest_algorithm: str
+    digest_algorithm: DigestAlgorithm
     base_digest: str
     state_digest: str
     records: int = Field(ge=0)

@@ -63,8 +63,10 @@ class ChainClient:
             self._ready, self._last_key = {}, None
         found = []
         async for info in self.store.list(layout.READY_PREFIX, start_after=self._last_key):
-            self._last_key = info.key
+            # Only a marker advances the position: a stray key (notes.txt, _SUCCESS) sorts after
+            # every step and would hide the markers published after it.
             if entry := layout.parse_ready_key(info.key):
+                self._last_key = info.key
                 self._ready.setdefault(entry.step, set()).add(entry.kind)
                 found.append((entry, info))
         return found

@@ -21,9 +21,11 @@ from typing import Literal
 Kind = Literal["patch", "anchor"]
 STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
-_RUN_ID_RE = re.compile(r"^[0-9a-z]{1,32}$")
+_RUN_ID_RE = re.compile(r"[0-9a-z]{1,32}")
 READY_PREFIX = "ready/"
-_READY_RE = re.compile(r"^(\d{12})\.(patch|anchor)\.json$")
+# [0-9], not \d (which takes any Unicode digit); fullmatch, since $ also matches before a final newline.
+_READY_RE = re.compile(r"([0-9]{12})\.(patch|anchor)\.json")
+_PAYLOAD_RE = re.compile(r"(?:patches|anchors)/([0-9]{12})/.+", re.DOTALL)
 
 
 def _check_step(step: int) -> int:
@@ -43,7 +45,7 @@ def patch_prefix(step: int) -> str:
 
 
 def _check_run_id(run_id: str) -> str:
-    if not _RUN_ID_RE.match(run_id):
+    if not _RUN_ID_RE.fullmatch(run_id):
         raise ValueError(f"run id {run_id!r} must be 1-32 lowercase letters or digits")
     return run_id
 
@@ -79,7 +81,7 @@ class ReadyEntry:
 def parse_ready_key(key: str) -> ReadyEntry | None:
     """(step, kind) of a ready-marker key relative to the prefix, or None if it is not one."""
     name = key.removeprefix(READY_PREFIX)
-    match = _READY_RE.match(name) if name != key else None
+    match = _READY_RE.fullmatch(name) if name != key else None
     if match is None:
         return None
     return ReadyEntry(int(match.group(1)), match.group(2))  # type: ignore[arg-type]
@@ -87,16 +89,8 @@ def parse_ready_key(key: str) -> ReadyEntry | None:
 
 def step_of_payload(key: str) -> int | None:
     """The step folder a payload key lies in (patches/ or anchors/), or None for any other key."""
-    for folder in ("patches/", "anchors/"):
-        if key.startswith(folder):
-            name = key[len(folder) : len(folder) + STEP_DIGITS]
-            if (
-                len(name) == STEP_DIGITS
-                and name.isdigit()
-                and key[len(folder) + STEP_DIGITS : len(folder) + STEP_DIGITS + 1] == "/"
-            ):
-                return int(name)
-    return None
+    match = _PAYLOAD_RE.fullmatch(key)
+    return int(match.group(1)) if match else None
 
 
 TOMBSTONE_PREFIX = "retention/"

@@ -21,6 +21,7 @@ from pulsesync.errors import ManifestError, ReplayError, UnknownKeyError, Unsupp
 from pulsesync.protocol import signing
 
 MANIFEST_VERSION: Literal[1] = 1
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest of a 10k-tensor, 100-shard anchor is ~30 KB
 _SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
@@ -156,17 +157,24 @@ Manifest = Annotated[PatchManifest | AnchorManifest, Field(discriminator="kind")
 _MANIFEST = TypeAdapter(Manifest)
 
 
+def _no_floats(literal: str) -> Any:
+    raise ValueError(f"number {literal[:40]} is not an integer (manifests hold integers and strings only)")
+
+
 def _load(data: bytes, name: str) -> dict[str, Any]:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{name}: {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit of a manifest")
     try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{name}: not valid JSON ({e})") from None
+        raw = json.loads(data, parse_float=_no_floats, parse_constant=_no_floats)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; deep nesting recurses
+        raise ManifestError(f"{name}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{name}: expected a JSON object")
     version = raw.get("format_version")
     if version != MANIFEST_VERSION:
         raise UnsupportedVersionError(
-            f"{name}: manifest format_version {version!r} is not supported (this pulsesync reads {MANIFEST_VERSION})"
+            f"{name}: manifest format_version {str(version)[:40]!r} is not supported "
+            f"(this pulsesync reads {MANIFEST_VERSION})"
         )
     return raw
 
@@ -207,7 +215,10 @@ def verify_manifest(
     public_key = trusted.get(kid)
     if public_key is None:
         raise UnknownKeyError(f"{name}: signed by key {kid}, which is not among the {len(trusted)} trusted key(s)")
-    payload = canonical_json({k: v for k, v in raw.items() if k != "signature"})
+    try:
+        payload = canonical_json({k: v for k, v in raw.items() if k != "signature"})
+    except (ValueError, RecursionError) as e:  # a lone surrogate does not encode (UnicodeEncodeError)
+        raise ManifestError(f"{name}: cannot be put in canonical form ({type(e).__name__})") from None
     signing.verify(public_key, payload, signature, name)
     manifest = _validate(raw, name)
     if newer_than is not None and manifest.step <= newer_than:

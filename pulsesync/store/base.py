@@ -45,6 +45,8 @@ def check_key(key: str) -> str:
     """Reject keys that could escape the prefix or alias another key; returns the key."""
     if any(part in ("", ".", "..") for part in key.split("/")):  # also "", "/abs" and "dir/"
         raise StoreError(f"invalid key {key!r}: keys are relative, '/'-separated, without '.' or '..' segments")
+    if not key.isprintable() or len(key.encode("utf-8", "surrogatepass")) > 1024:  # NUL, newlines, lone surrogates
+        raise StoreError(f"invalid key {key[:200]!r}: control characters, lone surrogates or over 1024 bytes")
     return key
 
 

@@ -35,6 +35,9 @@ class StoreConfig(BaseModel):
             raise ValueError(f"store url {v!r} must start with s3:// or file://")
         if parsed.scheme == "s3" and not parsed.netloc:
             raise ValueError(f"store url {v!r} names no bucket (s3://bucket/prefix)")
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            # file://data/x would silently mean /x: the host is not part of the path
+            raise ValueError(f"store url {v!r} names host {parsed.netloc!r}; a local path is file:///path")
         if parsed.scheme == "file" and not parsed.path:
             raise ValueError(f"store url {v!r} names no path (file:///path)")
         return v
