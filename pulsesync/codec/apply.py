@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ import torch
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import RecordHeader, RecordKind
 from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record
-from pulsesync.digest import DigestAlgorithm, StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
+from pulsesync.digest import StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
 from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError
 from pulsesync.threads import parallel_map, submit_beside
@@ -173,7 +172,7 @@ def apply_patch(
     parser = PatchDecoder(max_decoded_bytes)
     raw_records = parser.split(patch)
     header = parser.finish()
-    algorithm = cast(DigestAlgorithm, header.digest_algorithm)
+    algorithm = header.digest_algorithm
     current = base_digest or state_digest(state, algorithm, threads)
     if current.root != header.base_digest:
         raise IntegrityError(
