@@ -74,9 +74,9 @@ class ThrottledStore(FileStore):
         self.bucket = bucket
         self.read_seconds = 0.0
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, max_size: int | None = None) -> bytes:
         t0 = time.perf_counter()
-        data = await super().get(key)
+        data = await super().get(key, max_size)
         await self.bucket.take(len(data))
         self.read_seconds += time.perf_counter() - t0
         return data
@@ -89,10 +89,15 @@ class ThrottledStore(FileStore):
             yield info
 
     async def download_file(
-        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+        self,
+        key: str,
+        path: Path,
+        progress: ProgressCallback | None = None,
+        expected_sha256: str | None = None,
+        expected_size: int | None = None,
     ) -> TransferResult:
         t0 = time.perf_counter()
-        done = await super().download_file(key, path, progress, expected_sha256)
+        done = await super().download_file(key, path, progress, expected_sha256, expected_size)
         await self.bucket.take(done.size)
         self.read_seconds += time.perf_counter() - t0
         return done

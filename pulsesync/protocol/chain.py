@@ -24,7 +24,7 @@ from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import IntegrityError, NotFoundError, ReplayError
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
 from pulsesync.protocol import layout
-from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest, verify_manifest
+from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, AnchorManifest, ObjectRef, PatchManifest, verify_manifest
 from pulsesync.store import ObjectInfo, Store
 from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
@@ -92,7 +92,7 @@ class ChainClient:
         """The raw bytes of a ready marker, not yet verified; a marker gone since it was listed is forgotten."""
         key = layout.ready_key(step, kind)
         try:
-            data = await self.store.get(key)
+            data = await self.store.get(key, max_size=MAX_MANIFEST_BYTES)
         except NotFoundError:  # removed by retention since it was listed
             self._forget(step, kind)
             raise
@@ -138,7 +138,7 @@ class ChainClient:
 
     async def fetch(self, ref: ObjectRef) -> bytes:
         """An object's bytes, checked against the size and SHA-256 its manifest lists."""
-        data = await self.store.get(ref.key)
+        data = await self.store.get(ref.key, max_size=ref.size)  # a larger object stops at size + 1 bytes
         self.bytes_downloaded += len(data)
         if len(data) != ref.size:
             raise IntegrityError(f"{self.store.url}{ref.key}: {len(data)} bytes, its manifest lists {ref.size}")
@@ -165,10 +165,8 @@ class ChainClient:
                     files[name] = await self.fetch(ref)
                     continue
                 path = Path(spool) / name
-                done = await self.store.download_file(ref.key, path, expected_sha256=ref.sha256)
+                done = await self.store.download_file(ref.key, path, expected_sha256=ref.sha256, expected_size=ref.size)
                 self.bytes_downloaded += done.size
-                if done.size != ref.size:
-                    raise IntegrityError(f"{self.store.url}{ref.key}: {done.size} bytes, its manifest lists {ref.size}")
                 try:
                     shard = await asyncio.to_thread(load_owned, path)
                 except SafetensorError as e:

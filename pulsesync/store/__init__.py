@@ -32,7 +32,7 @@ def open_store(config: StoreConfig) -> Store:
         raise ConfigError("no store configured: pass --store s3://bucket/prefix or file:///path")
     parsed = urlparse(config.url)
     if parsed.scheme == "file":
-        return FileStore(parsed.path)
+        return FileStore(parsed.path, timeout=config.retry.attempt_timeout)
     return S3Store(
         parsed.netloc,
         parsed.path,

@@ -69,8 +69,13 @@ class Store(ABC):
 
     # --- reads ---------------------------------------------------------------------------------
     @abstractmethod
-    async def get(self, key: str) -> bytes:
-        """Whole object; NotFoundError if absent."""
+    async def get(self, key: str, max_size: int | None = None) -> bytes:
+        """Whole object; NotFoundError if absent.
+
+        With max_size, reading stops past it (at most max_size + 1 bytes arrive) and an object
+        larger than max_size is an IntegrityError: objects are untrusted, their sizes come from
+        signed manifests, and a replaced object must not cost more memory than the one it replaced.
+        """
 
     @abstractmethod
     async def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -116,12 +121,29 @@ class Store(ABC):
 
     @abstractmethod
     async def download_file(
-        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+        self,
+        key: str,
+        path: Path,
+        progress: ProgressCallback | None = None,
+        expected_sha256: str | None = None,
+        expected_size: int | None = None,
     ) -> TransferResult:
         """Download to a local file atomically (temp file, fsync, rename), hashing while streaming.
 
-        With expected_sha256, a mismatch raises IntegrityError and leaves no file at path.
+        With expected_sha256, a mismatch raises IntegrityError and leaves no file at path; with
+        expected_size, an object of another size is refused before a byte is written.
         """
+
+
+def oversized(target: str, max_size: int) -> IntegrityError:
+    """The error for an object larger than the size its reader expects."""
+    return IntegrityError(f"{target}: larger than the expected {max_size} bytes (read stopped there)")
+
+
+def check_size(target: str, size: int, expected_size: int | None) -> None:
+    """IntegrityError unless an object's size is the one expected (None: any size)."""
+    if expected_size is not None and size != expected_size:
+        raise IntegrityError(f"{target}: {size} bytes, expected {expected_size}")
 
 
 Chunks = AsyncIterator[bytes] | AsyncIterator[list[bytes]]  # in order; a list is one part's chunks

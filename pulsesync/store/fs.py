@@ -14,11 +14,19 @@ import os
 import stat
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import BinaryIO, ParamSpec, TypeVar
 
 from pulsesync.atomic_files import TEMP_MARK, write_file
-from pulsesync.errors import ConflictError, NotFoundError
-from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, write_atomically
+from pulsesync.errors import ConflictError, NotFoundError, StoreError
+from pulsesync.store.base import (
+    ObjectInfo,
+    Store,
+    TransferResult,
+    check_key,
+    check_size,
+    oversized,
+    write_atomically,
+)
 from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import translate_error
 
@@ -33,26 +41,55 @@ def _mtime(st: os.stat_result) -> dt.datetime:
 class FileStore(Store):
     """Objects as files under a root directory; keys map to relative paths."""
 
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, timeout: float = 300.0) -> None:
         self.root = Path(root).absolute()
+        self._real_root = Path(os.path.realpath(self.root))
         self.url = self.root.as_uri() + "/"
+        self.timeout = timeout
 
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        path = self.root / check_key(key)
+        # A symlinked folder must not lead a read, or retention's delete, outside the root.
+        if not Path(os.path.realpath(path.parent)).is_relative_to(self._real_root):
+            raise StoreError(f"{self.url}{key}: its folder resolves outside the store root (a symlink)")
+        return path
+
+    def _open(self, key: str) -> BinaryIO:
+        """Open a key for reading: regular files only, never through a symlink (a FIFO or /dev/zero is no object)."""
+        fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StoreError(f"{self.url}{key}: not a regular file")
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     async def _io(self, op: str, key: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run blocking file I/O in a worker thread, translating OS errors for this key."""
+        """Run blocking file I/O in a worker thread with a deadline, translating OS errors for this key."""
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), self.timeout)
+        except asyncio.TimeoutError:
+            raise StoreError(f"{op} {self.url}{key}: no answer within {self.timeout:g} s (hung filesystem?)") from None
         except (IsADirectoryError, NotADirectoryError):
             raise NotFoundError(f"{op} {self.url}{key}: no such object") from None
         except OSError as e:
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                raise StoreError(f"{op} {self.url}{key}: a symlink, not an object") from None
             raise translate_error(e, op, f"{self.url}{key}") from e
 
     # --- reads ---------------------------------------------------------------------------------
-    async def get(self, key: str) -> bytes:
-        """Whole object."""
-        return await self._io("get", key, self._path(key).read_bytes)
+    async def get(self, key: str, max_size: int | None = None) -> bytes:
+        """Whole object (IntegrityError past max_size)."""
+
+        def read() -> bytes:
+            with self._open(key) as f:
+                data = f.read() if max_size is None else f.read(max_size + 1)
+            if max_size is not None and len(data) > max_size:
+                raise oversized(f"get {self.url}{key}", max_size)
+            return data
+
+        return await self._io("get", key, read)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end), clamped to the file's size."""
@@ -60,7 +97,7 @@ class FileStore(Store):
             raise ValueError(f"bad range [{start}, {end})")
 
         def read() -> bytes:
-            with open(self._path(key), "rb") as f:
+            with self._open(key) as f:
                 f.seek(start)
                 return f.read(end - start)
 
@@ -68,17 +105,17 @@ class FileStore(Store):
 
     async def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
         """Chunks read in a worker thread."""
-        f = await self._io("stream", key, open, self._path(key), "rb")
+        f = await self._io("stream", key, self._open, key)
         try:
-            while chunk := await asyncio.to_thread(f.read, chunk_size):
+            while chunk := await self._io("stream", key, f.read, chunk_size):
                 yield chunk
         finally:
             f.close()
 
     async def head(self, key: str) -> ObjectInfo:
         """Size (and a modification-time etag)."""
-        st = await self._io("head", key, os.stat, self._path(key))
-        if not stat.S_ISREG(st.st_mode):  # a directory is a prefix, not an object
+        st = await self._io("head", key, os.lstat, self._path(key))
+        if not stat.S_ISREG(st.st_mode):  # a directory is a prefix, not an object; nor is a symlink
             raise NotFoundError(f"head {self.url}{key}: no such object")
         return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}", _mtime(st))
 
@@ -94,10 +131,11 @@ class FileStore(Store):
                 key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix) and (start_after is None or key > start_after):
                     try:
-                        st = os.stat(os.path.join(dirpath, name))
-                        found.append(ObjectInfo(key, st.st_size, last_modified=_mtime(st)))
+                        st = os.lstat(os.path.join(dirpath, name))
                     except FileNotFoundError:  # deleted while listing
                         continue
+                    if stat.S_ISREG(st.st_mode):  # a symlink, FIFO or device is no object
+                        found.append(ObjectInfo(key, st.st_size, last_modified=_mtime(st)))
         found.sort(key=lambda o: o.key)
         return found
 
@@ -146,23 +184,29 @@ class FileStore(Store):
         await self._io("delete", ",".join(keys) if len(paths) < 4 else f"{len(paths)} keys", delete)
 
     # --- large objects -------------------------------------------------------------------------
-    async def _copy_chunks(self, src: Path, tracker: ProgressTracker, chunk: int = 8 << 20) -> AsyncIterator[bytes]:
-        with open(src, "rb") as f:
-            while block := await asyncio.to_thread(f.read, chunk):
+    async def _copy_chunks(self, src: BinaryIO, tracker: ProgressTracker, chunk: int = 8 << 20) -> AsyncIterator[bytes]:
+        with src as f:
+            while block := await self._io("copy", tracker.key, f.read, chunk):
                 tracker.add(len(block))
                 yield block
 
     async def upload_file(self, key: str, path: Path, progress: ProgressCallback | None = None) -> TransferResult:
         """Copy a local file in atomically, hashing it."""
         size = os.path.getsize(path)
-        return await write_atomically(
-            key, self._path(key), self._copy_chunks(Path(path), ProgressTracker(key, size, progress)), size, None
-        )
+        chunks = self._copy_chunks(open(path, "rb"), ProgressTracker(key, size, progress))  # noqa: SIM115 - closed by _copy_chunks
+        return await write_atomically(key, self._path(key), chunks, size, None)
 
     async def download_file(
-        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+        self,
+        key: str,
+        path: Path,
+        progress: ProgressCallback | None = None,
+        expected_sha256: str | None = None,
+        expected_size: int | None = None,
     ) -> TransferResult:
         """Copy an object out atomically, hashing it."""
         info = await self.head(key)
-        chunks = self._copy_chunks(self._path(key), ProgressTracker(key, info.size, progress))
+        check_size(f"download {self.url}{key}", info.size, expected_size)
+        src = await self._io("download", key, self._open, key)
+        chunks = self._copy_chunks(src, ProgressTracker(key, info.size, progress))
         return await write_atomically(key, Path(path), chunks, info.size, expected_sha256)

@@ -14,7 +14,15 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from pulsesync.errors import ConflictError, NotFoundError
-from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, write_atomically
+from pulsesync.store.base import (
+    ObjectInfo,
+    Store,
+    TransferResult,
+    check_key,
+    check_size,
+    oversized,
+    write_atomically,
+)
 from pulsesync.store.progress import ProgressCallback, ProgressTracker
 
 
@@ -32,9 +40,12 @@ class MemoryStore(Store):
             raise NotFoundError(f"{op} {self.url}{key}: no such object") from None
 
     # --- reads ---------------------------------------------------------------------------------
-    async def get(self, key: str) -> bytes:
-        """Whole object."""
-        return self._object("get", key)
+    async def get(self, key: str, max_size: int | None = None) -> bytes:
+        """Whole object (IntegrityError past max_size)."""
+        data = self._object("get", key)
+        if max_size is not None and len(data) > max_size:
+            raise oversized(f"get {self.url}{key}", max_size)
+        return data
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end), clamped to the object's size."""
@@ -85,10 +96,16 @@ class MemoryStore(Store):
         return TransferResult(key, len(data), hashlib.sha256(data).hexdigest())
 
     async def download_file(
-        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+        self,
+        key: str,
+        path: Path,
+        progress: ProgressCallback | None = None,
+        expected_sha256: str | None = None,
+        expected_size: int | None = None,
     ) -> TransferResult:
         """Write an object out atomically, hashing it."""
         data = self._object("download", key)
+        check_size(f"download {self.url}{key}", len(data), expected_size)
         tracker = ProgressTracker(key, len(data), progress)
 
         async def chunks() -> AsyncIterator[bytes]:

@@ -56,7 +56,10 @@ class RetryPolicy(BaseModel):
     attempts: int = Field(8, ge=1, description="tries per call, the first included")
     initial_wait: float = Field(0.2, gt=0, description="seconds before the first retry; doubles each time")
     max_wait: float = Field(10.0, gt=0, description="longest single wait between tries")
-    max_total: float = Field(120.0, gt=0, description="give up after this many seconds of retrying")
+    max_total: float = Field(120.0, gt=0, description="deadline of a whole call, every try and wait included")
+    attempt_timeout: float = Field(
+        60.0, gt=0, description="deadline of one try, its whole body included (a body that trickles is cut off)"
+    )
 
 
 def _code(e: botocore.exceptions.ClientError) -> tuple[str, int]:
@@ -127,10 +130,19 @@ async def call(fn: Callable[[], Awaitable[T]], op: str, target: str, policy: Ret
         before_sleep=_log_retry(op, target),
         reraise=True,
     )
-    try:
+
+    async def tries() -> T:
         async for attempt in retrying:
             with attempt:
-                return await fn()
+                return await asyncio.wait_for(fn(), policy.attempt_timeout)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    try:
+        return await asyncio.wait_for(tries(), policy.max_total)
+    except asyncio.TimeoutError as e:  # the call's deadline, or a last try's
+        raise StoreError(
+            f"{op} {target}: no success within its deadline ({policy.attempt_timeout:g} s a try, "
+            f"{policy.max_total:g} s in all)"
+        ) from e
     except Exception as e:
         raise translate_error(e, op, target) from e
-    raise AssertionError("unreachable")  # pragma: no cover

@@ -22,7 +22,7 @@ from botocore.config import Config as BotoConfig
 
 from pulsesync.errors import ConflictError, IntegrityError, StoreError
 from pulsesync.store import base
-from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key
+from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, oversized
 from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import RetryPolicy, TruncatedBodyError, call, log, translate_error
 
@@ -115,21 +115,40 @@ class S3Store(Store):
         return await call(once, op, f"s3://{self.bucket}/{self.prefix}{key}", self.retry)
 
     # --- reads ---------------------------------------------------------------------------------
-    async def _read_chunks(self, s3: Any, key: str, **kwargs: Any) -> list[bytes]:
-        """The body as the chunks it arrived in (no joining copy), length-checked."""
+    async def _read_chunks(self, s3: Any, key: str, max_size: int | None = None, **kwargs: Any) -> list[bytes]:
+        """The body as the chunks it arrived in (no joining copy), length-checked; stops past max_size."""
         resp = await s3.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
+        chunks, received = [], 0
         async with resp["Body"] as body:
-            chunks = [chunk async for chunk in body.iter_chunks(1 << 20)]
-        if sum(map(len, chunks)) != resp["ContentLength"]:
-            raise TruncatedBodyError(f"got {sum(map(len, chunks))} of {resp['ContentLength']} bytes")
+            async for chunk in body.iter_chunks(1 << 20):
+                chunks.append(chunk)
+                received += len(chunk)
+                if max_size is not None and received > max_size:  # a server that ignores the range
+                    raise oversized(f"get s3://{self.bucket}/{self._key(key)}", max_size)
+        if received != resp["ContentLength"]:
+            raise TruncatedBodyError(f"got {received} of {resp['ContentLength']} bytes")
         return chunks
 
-    async def _read(self, s3: Any, key: str, **kwargs: Any) -> bytes:
-        return b"".join(await self._read_chunks(s3, key, **kwargs))
+    async def _read(self, s3: Any, key: str, max_size: int | None = None, **kwargs: Any) -> bytes:
+        return b"".join(await self._read_chunks(s3, key, max_size, **kwargs))
 
-    async def get(self, key: str) -> bytes:
-        """Whole object."""
-        return await self._call("get", key, lambda s3: self._read(s3, key))
+    async def get(self, key: str, max_size: int | None = None) -> bytes:
+        """Whole object; with max_size a ranged GET of max_size + 1 bytes (IntegrityError if they all come)."""
+        if max_size is None:
+            return await self._call("get", key, lambda s3: self._read(s3, key))
+
+        async def bounded(s3: Any) -> bytes:
+            try:
+                data = await self._read(s3, key, max_size, Range=f"bytes=0-{max_size}")
+            except botocore.exceptions.ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":  # 416: the object is empty
+                    return b""
+                raise
+            if len(data) > max_size:
+                raise oversized(f"get s3://{self.bucket}/{self._key(key)}", max_size)
+            return data
+
+        return await self._call("get", key, bounded)
 
     async def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes:
         """Bytes [start, end), clamped to the object's size; with etag, only from that version."""
@@ -142,7 +161,7 @@ class S3Store(Store):
 
         async def once(s3: Any) -> bytes:
             try:  # S3 clamps a range that runs past the end itself
-                return await self._read(s3, key, Range=f"bytes={start}-{end - 1}", **extra)
+                return await self._read(s3, key, end - start, Range=f"bytes={start}-{end - 1}", **extra)
             except botocore.exceptions.ClientError as e:
                 if e.response.get("Error", {}).get("Code") == "InvalidRange":  # 416: starts past the end
                     return b""
@@ -303,10 +322,16 @@ class S3Store(Store):
             log.warning("abort_multipart_upload %s failed; the incomplete upload stays until cleaned up", key)
 
     async def download_file(
-        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+        self,
+        key: str,
+        path: Path,
+        progress: ProgressCallback | None = None,
+        expected_sha256: str | None = None,
+        expected_size: int | None = None,
     ) -> TransferResult:
         """Parallel ranged GETs of one object version (If-Match), written in order while hashing."""
         info = await self.head(key)
+        base.check_size(f"download s3://{self.bucket}/{self._key(key)}", info.size, expected_size)
         ranges = [(s, min(s + self.part_size, info.size)) for s in range(0, info.size, self.part_size)]
         tracker = ProgressTracker(key, info.size, progress)
 
@@ -314,7 +339,7 @@ class S3Store(Store):
 
         async def fetch(start: int, end: int) -> list[bytes]:
             def request(s3: Any) -> Awaitable[list[bytes]]:
-                return self._read_chunks(s3, key, Range=f"bytes={start}-{end - 1}", **same_version)
+                return self._read_chunks(s3, key, end - start, Range=f"bytes={start}-{end - 1}", **same_version)
 
             chunks = await self._call("get_range", key, request)
             tracker.add(end - start)

@@ -67,6 +67,19 @@ class StoreConformance:
         assert await store.exists("a/b/c.bin")
         assert not await store.exists("a/b/d.bin")
 
+    async def test_bounded_reads_stop_past_the_expected_size(self, store: Store, tmp_path: Path) -> None:
+        """Issue 14 item 5: an object larger than its reader expects is refused, not read in full."""
+        await store.put("big.bin", b"x" * 5000)
+        await store.put("empty.bin", b"")
+        assert await store.get("big.bin", max_size=5000) == b"x" * 5000
+        assert await store.get("empty.bin", max_size=0) == b""
+        with pytest.raises(IntegrityError, match="larger than the expected 100 bytes"):
+            await store.get("big.bin", max_size=100)
+        with pytest.raises(IntegrityError, match="expected 100"):
+            await store.download_file("big.bin", tmp_path / "out", expected_size=100)
+        assert not (tmp_path / "out").exists()
+        assert (await store.download_file("big.bin", tmp_path / "out", expected_size=5000)).size == 5000
+
     async def test_put_replaces_atomically(self, store: Store) -> None:
         await store.put("k", b"one")
         await store.put("k", b"two!")

@@ -34,9 +34,9 @@ class RecordingStore(Store):
     async def close(self) -> None:
         await self.inner.close()
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, max_size: int | None = None) -> bytes:
         self.reads.append(key)
-        return await self.inner.get(key)
+        return await self.inner.get(key, max_size)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         return await self.inner.get_range(key, start, end)
@@ -74,9 +74,14 @@ class RecordingStore(Store):
         return done
 
     async def download_file(
-        self, key: str, path: Path, progress: ProgressCallback | None = None, expected_sha256: str | None = None
+        self,
+        key: str,
+        path: Path,
+        progress: ProgressCallback | None = None,
+        expected_sha256: str | None = None,
+        expected_size: int | None = None,
     ) -> TransferResult:
-        return await self.inner.download_file(key, path, progress, expected_sha256)
+        return await self.inner.download_file(key, path, progress, expected_sha256, expected_size)
 
 
 def stall_forever(flag: Path) -> None:
