@@ -99,6 +99,24 @@ class EngineError(PulseSyncError):
     exit_code = 14
 
 
+class DeadlineError(PulseSyncError):
+    """A sync did not finish within its deadline (a store or an engine that stopped answering)."""
+
+    exit_code = 17
+
+
+class LocalWriteError(PulseSyncError):
+    """Writing to local disk failed (disk full, permissions): the state served stays the last good one."""
+
+    exit_code = 18
+
+
+class ForeignStreamError(IntegrityError):
+    """A validly signed manifest belongs to another publishing stream (another run or prefix)."""
+
+    exit_code = 19
+
+
 ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     PulseSyncError,
     ConfigError,
@@ -115,4 +133,7 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     ReplayError,
     UnsupportedDtypeError,
     EngineError,
+    DeadlineError,
+    LocalWriteError,
+    ForeignStreamError,
 )

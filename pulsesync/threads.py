@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -32,18 +32,31 @@ def _shared_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None) -> Iterator[R]:
+def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None) -> Generator[R, None, None]:
     """Map fn over items in order; inline when threads == 1, else on the shared pool.
 
     Tasks must not call parallel_map themselves (the pool is bounded, nesting could deadlock).
     """
     if threads == 1:
-        return map(fn, items)
+        return (fn(item) for item in items)
     if threads is None or threads == default_threads():
-        return _shared_pool().map(fn, items)
+        return _in_order(_shared_pool(), fn, items)
     # An explicit, different width: a short-lived pool of exactly that size.
     with ThreadPoolExecutor(threads, thread_name_prefix="pulsesync") as pool:
-        return iter(list(pool.map(fn, items)))
+        return (result for result in list(_in_order(pool, fn, items)))
+
+
+def _in_order(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T]) -> Generator[R, None, None]:
+    futures = [pool.submit(fn, item) for item in items]
+    try:
+        for future in futures:
+            yield future.result()
+    finally:
+        # On an error (or an early close) no task may still be running when the caller moves on:
+        # tasks write into shared state, and the caller's rollback must come after the last write.
+        for future in futures:
+            future.cancel()
+        wait(futures)
 
 
 _side_pool: ThreadPoolExecutor | None = None

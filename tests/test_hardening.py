@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.cli import main
 from pulsesync.config import Config, load_config
-from pulsesync.errors import ConfigError, CorruptPatchError, ManifestError, StoreError
+from pulsesync.errors import ConfigError, CorruptPatchError, ManifestError, PulseSyncError, StoreError
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import verify_manifest
 from pulsesync.publisher import AsyncPublisher
@@ -104,11 +104,13 @@ async def test_a_malformed_marker_does_not_stop_the_daemon(
 ) -> None:
     """Item 3: a nested-JSON marker at a newer step: the daemon keeps running and serves the next good step."""
     await wait_for(lambda: daemon.step == 8, "step 8", sub=daemon)
-    await store.put(layout.ready_key(9, "patch"), b"[" * 100_000)
-    await wait_for(lambda: daemon.status.consecutive_failures > 0 or daemon.status.skipped_markers > 0, "a failure")
-    await publish(publisher, range(9, 11))  # the publisher takes step 9's patch slot as taken: anchors go on
+    await store.put(layout.ready_key(50, "patch"), b"[" * 100_000)
+    await wait_for(lambda: daemon.status.rejected_markers == 1, "the marker skipped", sub=daemon)
+    assert "ManifestError" in (daemon.status.last_rejected or "")
+    await publish(publisher, range(9, 11))  # the publisher skips it too
     await wait_for(lambda: daemon.step == 10, "step 10 past the bad marker", sub=daemon)
     assert_serving(daemon, 10)
+    assert daemon.healthy()[0]
 
 
 def test_subscribe_once_prints_one_line_for_a_malformed_marker(
@@ -202,3 +204,404 @@ def test_debug_logging_never_prints_the_aws_session_token(
     logged = out.stdout + out.stderr
     assert "x-amz-security-token" in logged.lower(), logged[-2000:]  # the header was logged ...
     assert token not in logged and "testingsecretvalue" not in logged  # ... without its value
+
+
+# --- item 4: a forged far-future marker -------------------------------------------------------------
+async def test_a_copied_marker_at_a_far_future_step_is_skipped_by_subscribers_and_the_publisher(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, daemon: Subscriber
+) -> None:
+    """Item 4: a validly signed manifest copied to step 999999999999 froze the fleet (ReplayError, no publishing)."""
+    await wait_for(lambda: daemon.step == 8, "step 8", sub=daemon)
+    await store.put(layout.ready_key(layout.MAX_STEP, "patch"), await store.get(layout.ready_key(3, "patch")))
+    await wait_for(lambda: daemon.status.rejected_markers == 1, "the forged marker skipped", sub=daemon)
+    health = daemon.healthy()
+    assert health[0] and health[1]["rejected_markers"] == 1 and "ReplayError" in health[1]["last_rejected"]
+    await publish(publisher, range(9, 11))  # the running publisher treats it as no publisher's
+    await wait_for(lambda: daemon.step == 10, "step 10", sub=daemon)
+    restarted = AsyncPublisher(publisher.config, store=store, signing_key=key)  # a restart is not frozen either
+    await restarted.start()
+    await publish(restarted, range(11, 12))
+    await restarted.close()
+    await wait_for(lambda: daemon.step == 11, "step 11 from the restarted publisher", sub=daemon)
+    assert_serving(daemon, 11)
+
+
+# --- item 8: a manifest of another stream ------------------------------------------------------------
+async def test_a_signed_anchor_copied_from_another_run_is_never_served(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    """Item 8: run B's anchor marker and objects copied into run A's prefix (same key) made A serve B's weights."""
+    from pulsesync.publisher.config import PublisherConfig
+    from pulsesync.store import FileStore
+    from tests.support.helpers import assert_states_equal, trainer_states
+
+    config = PublisherConfig(anchor_interval=5, shard_size=256 << 10, on_backpressure="block")
+    run_a, run_b = FileStore(tmp_path / "a"), FileStore(tmp_path / "b")
+    for store, seed, steps in ((run_a, 0, 9), (run_b, 1, 12)):
+        pub = AsyncPublisher(config, store=store, signing_key=key)
+        await pub.start()
+        for step in range(steps):
+            await pub.publish(step, trainer_states(steps, seed)[step])
+        await pub.close()
+    sub = subscriber(run_a, key)
+    await sub.sync()
+    assert sub.step == 8 and sub.status.stream_id
+    async for info in run_b.list():
+        if info.key.startswith(("anchors/000000000010/", "ready/000000000010.anchor")):
+            await run_a.put(info.key, await run_b.get(info.key))
+    await sub.sync()
+    assert sub.step == 8 and sub.status.rejected_markers == 1
+    assert "ForeignStreamError" in (sub.status.last_rejected or "")
+    assert sub.state is not None
+    assert_states_equal(sub.state, trainer_states(9, 0)[8])
+    pinned = subscriber(run_a, key, stream_id=sub.status.stream_id)  # a fresh subscriber, pinned in its config
+    assert (await pinned.sync()).step == 8
+
+
+# --- item 1: the state cache --------------------------------------------------------------------------
+async def test_a_state_cache_from_another_run_or_rewritten_is_discarded(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, tmp_path: Path
+) -> None:
+    """Item 1: a cache another run wrote, or one rewritten with a self-consistent digest, was served at start."""
+    import shutil
+
+    from pulsesync import state_cache
+    from pulsesync.digest import state_digest
+    from pulsesync.store import FileStore
+    from pulsesync.verified import VerifiedState
+    from tests.support.helpers import trainer_states
+
+    other = FileStore(tmp_path / "other-run")
+    pub = AsyncPublisher(publisher.config, store=other, signing_key=key)
+    await pub.start()
+    for step in range(9):
+        await pub.publish(step, trainer_states(9, seed=1)[step])
+    await pub.close()
+    foreign = subscriber(other, key, cache_dir=tmp_path / "foreign-cache")
+    await foreign.sync()
+    assert foreign.step == 8
+    shutil.copytree(tmp_path / "foreign-cache", tmp_path / "cache")
+    restarted = subscriber(store, key, cache_dir=tmp_path / "cache")
+    await restarted.start()
+    assert restarted.state is None  # its signed marker is another stream's, and the store's step 8 differs
+    assert (await restarted.sync()).path == "slow"
+    assert_serving(restarted, 8)
+    # Rewritten: other tensors with a digest that matches them, and no marker copy.
+    forged = dict(trainer_states(9, seed=1)[8])
+    state_cache.save(tmp_path / "cache", VerifiedState(8, forged, state_digest(forged), {}))
+    again = subscriber(store, key, cache_dir=tmp_path / "cache")
+    await again.start()
+    assert again.state is None
+    # A genuine cache still resumes.
+    await subscriber(store, key, cache_dir=tmp_path / "genuine").sync()
+    genuine = subscriber(store, key, cache_dir=tmp_path / "genuine")
+    await genuine.start()
+    assert_serving(genuine, 8)
+
+
+# --- item 5: oversized objects ---------------------------------------------------------------------
+async def test_an_oversized_patch_on_s3_is_cut_off_at_its_signed_size(
+    moto_endpoint: str, key: Ed25519PrivateKey
+) -> None:
+    """Item 5: a patch replaced by a big object was read in full before the size check (RAM, then MemoryError)."""
+    import uuid
+
+    from pulsesync.publisher.config import PublisherConfig
+    from pulsesync.store import S3Store
+    from tests.support.fault_proxy import FaultProxy
+    from tests.support.servers import BUCKET
+
+    proxy = FaultProxy(moto_endpoint)
+    await proxy.start()
+    prefix = f"oversize-{uuid.uuid4().hex[:8]}"
+    direct = S3Store(BUCKET, prefix, endpoint_url=moto_endpoint)
+    through_proxy = S3Store(BUCKET, prefix, endpoint_url=proxy.endpoint)
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=100, on_backpressure="block"), store=direct, signing_key=key)
+    await pub.start()
+    await publish(pub, range(2))
+    sub = subscriber(through_proxy, key)
+    try:
+        await sub.sync()
+        await publish(pub, range(2, 4))
+        patch3 = (await sub.chain.manifest(3, "patch")).objects[0]
+        await direct.put(patch3.key, b"\x01" * (48 << 20))  # the real server now holds 48 MiB there
+        proxy.bytes_sent = 0
+        with pytest.raises(PulseSyncError):
+            await sub.sync()  # fast path refused; the slow path has no anchor to fall back to
+        assert sub.step == 1
+        assert proxy.bytes_sent < patch3.size + (4 << 20), proxy.bytes_sent  # ranged GET of size + 1 bytes
+        # A server that ignores the range (or a proxy that rewrites it): the client stops reading.
+        proxy.oversize[patch3.key.rsplit("/", 1)[-1]] = 1 << 30
+        proxy.bytes_sent = 0
+        with pytest.raises(PulseSyncError):
+            await sub.sync()
+        assert proxy.bytes_sent < 64 << 20, proxy.bytes_sent
+    finally:
+        await pub.close()
+        await sub.close()
+        await direct.close()
+        await proxy.stop()
+
+
+async def test_a_marker_that_is_a_symlink_to_dev_zero_or_a_fifo_is_no_object(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    """Items 5 and 6: on a file store a marker symlinked to /dev/zero killed the daemon; a FIFO hung it."""
+    import os
+
+    from pulsesync.errors import NotFoundError
+    from pulsesync.store import FileStore
+
+    store = FileStore(tmp_path / "s")
+    (tmp_path / "s" / "ready").mkdir(parents=True)
+    os.symlink("/dev/zero", tmp_path / "s" / "ready" / "000000000001.patch.json")
+    os.mkfifo(tmp_path / "s" / "ready" / "000000000002.patch.json")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_bytes(b"x")
+    os.symlink(tmp_path / "outside", tmp_path / "s" / "patches")
+    assert [info.key async for info in store.list()] == []  # neither is listed
+    for key_ in ("ready/000000000001.patch.json", "ready/000000000002.patch.json"):
+        with pytest.raises(NotFoundError):
+            await asyncio.wait_for(store.get(key_, max_size=1 << 20), 10)
+    with pytest.raises(StoreError, match="outside the store root"):
+        await store.get("patches/secret")
+    with pytest.raises(StoreError, match="outside the store root"):
+        await store.delete_many(["patches/secret"])
+    assert (tmp_path / "outside" / "secret").exists()
+
+
+# --- item 6: deadlines -----------------------------------------------------------------------------
+async def test_a_trickling_or_silent_s3_endpoint_cannot_hang_the_daemon(
+    moto_endpoint: str, key: Ed25519PrivateKey
+) -> None:
+    """Item 6: a body trickling a byte every 20 s hung a sync forever while /healthz said 200."""
+    import uuid
+
+    from pulsesync.publisher.config import PublisherConfig
+    from pulsesync.store import RetryPolicy, S3Store
+    from tests.support.fault_proxy import FaultProxy
+    from tests.support.servers import BUCKET
+
+    proxy = FaultProxy(moto_endpoint)
+    await proxy.start()
+    prefix = f"trickle-{uuid.uuid4().hex[:8]}"
+    direct = S3Store(BUCKET, prefix, endpoint_url=moto_endpoint)
+    policy = RetryPolicy(attempts=2, initial_wait=0.05, attempt_timeout=1.0, max_total=2.5)
+    through_proxy = S3Store(BUCKET, prefix, endpoint_url=proxy.endpoint, retry=policy, read_timeout=30)
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=100, on_backpressure="block"), store=direct, signing_key=key)
+    await pub.start()
+    await publish(pub, range(2))
+    sub = subscriber(through_proxy, key, poll_seconds=0.05, unhealthy_after=2, sync_deadline_seconds=20)
+    stop = asyncio.Event()
+    sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
+    try:
+        await wait_for(lambda: sub.step == 1, "step 1", sub=sub)
+        proxy.trickle_seconds = 5.0
+        await publish(pub, range(2, 4))
+        await wait_for(lambda: not sub.healthy()[0], "unhealthy while the body trickles", seconds=30, sub=sub)
+        assert "deadline" in (sub.status.last_error or ""), sub.status.last_error
+        assert sub.step == 1
+        proxy.trickle_seconds = None
+        proxy.hang = True  # an endpoint that never answers
+        failures = sub.status.consecutive_failures
+        await wait_for(lambda: sub.status.consecutive_failures > failures, "a failed sync while silent", sub=sub)
+        proxy.hang = False
+        await wait_for(lambda: sub.step == 3, "step 3 once the endpoint answers", seconds=60, sub=sub)
+        assert_serving(sub, 3)
+        assert sub.healthy()[0]
+    finally:
+        stop.set()
+        await sub.task  # type: ignore[attr-defined]
+        await pub.close()
+        await through_proxy.close()
+        await direct.close()
+        await proxy.stop()
+
+
+async def test_a_sync_past_its_deadline_is_cut_off_and_reported_unhealthy(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    """Item 6: the sync itself has a deadline; one that overruns it (its cut-off not taking) makes /healthz 503."""
+    from pulsesync.errors import DeadlineError
+    from pulsesync.sinks import Sink, Update
+
+    class Stuck(Sink):
+        name = "stuck"
+        stubborn = True
+
+        async def deliver(self, update: Update) -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if self.stubborn:  # ignores the first cancellation for a while, as a hung call would
+                    await asyncio.sleep(1.5)
+                raise
+
+    sink = Stuck()
+    sub = subscriber(store, key, sync_deadline_seconds=0.5)
+    sub.sinks = [sink]
+    sync = asyncio.create_task(sub.sync())
+    await asyncio.sleep(1.0)
+    assert not sub.healthy()[0] and sub.healthy()[1]["sync_running_seconds"] > 0.5
+    with pytest.raises(DeadlineError, match="sync_deadline_seconds"):
+        await sync
+    assert sub.state is None and sub.healthy()[1]["sync_running_seconds"] is None
+
+
+# --- item 7: a signed decompression bomb -------------------------------------------------------------
+async def test_a_patch_that_decodes_far_beyond_the_held_state_is_refused_before_allocating(
+    key: Ed25519PrivateKey, tmp_path: Path
+) -> None:
+    """Item 7: a small zstd frame declaring GiBs, with consistent declared sizes, was allocated in full."""
+    import torch
+
+    from pulsesync.codec import encode_patch
+    from pulsesync.digest import state_digest
+    from pulsesync.protocol.chain import ChainClient
+    from pulsesync.protocol.manifest import ObjectRef, PatchManifest, Sizes
+    from pulsesync.store import FileStore
+
+    base = {"w": torch.zeros(1024, dtype=torch.bfloat16)}
+    bomb = dict(base, big=torch.zeros(96 << 20, dtype=torch.bfloat16))  # 192 MiB of zeros: ~6 KB compressed
+    data = encode_patch(base, bomb)
+    assert len(data) < 1 << 20
+    digest = state_digest(base)
+    manifest = PatchManifest(
+        step=1,
+        base_step=0,
+        anchor_step=0,
+        base_digest=digest.root,
+        objects=[ObjectRef.for_bytes("patches/000000000001/p.bin", data)],
+        state_digest=state_digest(bomb),
+        sizes=Sizes(dense_bytes=192 << 20, wire_bytes=len(data), changed_elements=96 << 20),
+        created_at="2026-11-23T00:00:00Z",
+        codec={"format_version": 1, "value_coding": "delta", "zstd_level": 3, "chunk_elements": 1 << 20},
+    )
+    chain = ChainClient(FileStore(tmp_path), {})
+    with pytest.raises(CorruptPatchError, match="above the limit"):
+        await chain.apply(base, digest, manifest, data)
+    assert set(base) == {"w"}
+
+
+# --- item 10: a decode failure with several codec threads ------------------------------------------------
+def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Item 10: the rollback ran while other records were still being applied on the pool."""
+    import torch
+
+    from pulsesync.codec import UndoLog, apply, encode_patch
+    from tests.support.helpers import assert_states_equal, clone_state
+
+    gen = torch.Generator().manual_seed(0)
+    base = {f"t{i:02d}": torch.randn(4096, generator=gen).to(torch.bfloat16) for i in range(16)}
+    new = {n: t.clone() for n, t in base.items()}
+    for t in new.values():
+        t.view(torch.int16)[::3] += 1
+    data = encode_patch(base, new)
+    real = apply.decode_record
+
+    def slow_or_failing(h: Any, payload: Any) -> Any:
+        if h.name == "t01":
+            raise CorruptPatchError("injected: record for t01 does not decode")
+        time.sleep(0.05)  # the others are still running when t01 fails
+        return real(h, payload)
+
+    monkeypatch.setattr(apply, "decode_record", slow_or_failing)
+    state, undo = clone_state(base), UndoLog()
+    with pytest.raises(CorruptPatchError, match="injected"):
+        apply.apply_patch(state, data, threads=4, undo=undo)
+    undo.rollback(state)
+    time.sleep(0.5)  # anything still running would land now
+    assert_states_equal(state, base)
+
+
+# --- item 11: disk full -------------------------------------------------------------------------
+async def test_disk_full_in_the_directory_sink_and_cache_keeps_the_daemon_serving(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, tmp_path: Path
+) -> None:
+    """Item 11: an OSError from a local write (ENOSPC/EFBIG) ended Subscriber.run."""
+    import resource
+    import signal
+
+    from tests.support.helpers import assert_states_equal, trainer_states
+
+    sub = subscriber(store, key, poll_seconds=0.05, cache_dir=tmp_path / "cache", out_dir=tmp_path / "out")
+    await sub.sync()
+    assert sub.step == 8
+    await publish(publisher, range(9, 11))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, hard))
+    stop = asyncio.Event()
+    sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
+    try:
+        await wait_for(lambda: sub.status.consecutive_failures >= 2, "failed syncs while the disk is full", sub=sub)
+        assert "LocalWriteError" in (sub.status.last_error or "")
+        assert_serving(sub, 8)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    try:
+        await wait_for(lambda: sub.step == 10 and not sub._unsaved, "step 10 once there is room", sub=sub)
+        assert_serving(sub, 10)
+        assert (tmp_path / "out" / "current").resolve().name.endswith("10")
+    finally:
+        stop.set()
+        await sub.task  # type: ignore[attr-defined]
+    cached = subscriber(store, key, cache_dir=tmp_path / "cache")
+    await cached.start()
+    assert cached.state is not None
+    assert_states_equal(cached.state, trainer_states(12)[10])
+
+
+# --- item 12: odd engine replies -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "replies",
+    [
+        {"/collective_rpc": (500, b"\xff\xfe boom")},
+        {"/collective_rpc": (200, b"\xff\xfe\xfd")},
+        {"/is_sleeping": (200, b"\xff\xfe")},
+        {"/is_sleeping": (200, b"[1, 2]")},
+        {"layout": (200, b'{"results": [{"w": 5}]}')},
+        {"layout": (200, b'{"results": [{"aliases": {"a": 5}}]}')},
+    ],
+    ids=["500-binary", "200-binary", "sleeping-binary", "sleeping-list", "layout-shapes", "layout-bad-alias"],
+)
+async def test_odd_vllm_replies_are_engine_errors(
+    replies: dict[str, tuple[int, bytes]],
+    store: Store,
+    key: Ed25519PrivateKey,
+    publisher: AsyncPublisher,
+    tmp_path: Path,
+) -> None:
+    """Item 12: a 500 or 200 with a non-UTF-8 body, or a shapes reply {"w": 5}, crashed the daemon."""
+    from aiohttp import web
+
+    from pulsesync.errors import EngineError
+    from pulsesync.sinks.vllm import VLLMSink, VLLMSinkConfig
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        path = "layout" if b"pulsesync_layout" in body else request.path
+        if path in replies:
+            status, payload = replies[path]
+            return web.Response(status=status, body=payload)
+        if request.path == "/collective_rpc":
+            return web.json_response({"results": [{"digest": None}]})
+        return web.json_response({"is_sleeping": False} if request.path == "/is_sleeping" else {})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    sink = VLLMSink(VLLMSinkConfig(url=f"http://127.0.0.1:{port}", update_dir=tmp_path / "u", timeout_seconds=10))
+    sub = subscriber(store, key)
+    sub.sinks = [sink]
+    try:
+        with pytest.raises(EngineError):
+            await sub.sync()
+        assert sub.state is None
+    finally:
+        await runner.cleanup()

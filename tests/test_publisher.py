@@ -173,7 +173,7 @@ async def test_a_second_publisher_on_the_prefix_gets_conflict_and_overwrites_not
     await first.flush()
     before = {info.key: await store.get(info.key) async for info in store.list()}
 
-    second = AsyncPublisher(config(), store=store, signing_key=Ed25519PrivateKey.generate())
+    second = AsyncPublisher(config(), store=store, signing_key=key)  # a second copy of the same trainer
     await second.start()
     with pytest.raises(ConflictError, match="step 3 is not newer than step 3"):
         await second.publish(3, states[3])

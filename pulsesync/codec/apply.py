@@ -7,6 +7,7 @@ copy of a state and still restore it bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -204,12 +205,13 @@ def apply_patch(
     whole: list[PatchRecord] = []
     previous: str | None = None
     # In order: once a record of the next tensor has been applied, the previous tensor is final.
-    for (h, _), record in zip(raw_records, parallel_map(decode_and_apply, raw_records, threads), strict=True):
-        if previous is not None and h.name != previous:
-            rehash(previous)
-        previous = None if record is not None else h.name
-        if record is not None:
-            whole.append(record)
+    with contextlib.closing(parallel_map(decode_and_apply, raw_records, threads)) as applied:
+        for (h, _), record in zip(raw_records, applied, strict=True):
+            if previous is not None and h.name != previous:
+                rehash(previous)
+            previous = None if record is not None else h.name
+            if record is not None:
+                whole.append(record)
     if previous is not None:
         rehash(previous)
     for record in whole:  # whole-tensor records change the dict itself: after the concurrent part

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import logging
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,13 +22,18 @@ from safetensors import SafetensorError
 
 from pulsesync.codec import UndoLog, apply_patch
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.errors import IntegrityError, NotFoundError, ReplayError
+from pulsesync.errors import ForeignStreamError, IntegrityError, NotFoundError, ReplayError
+from pulsesync.metrics import MARKERS_REJECTED
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, AnchorManifest, ObjectRef, PatchManifest, verify_manifest
 from pulsesync.store import ObjectInfo, Store
 from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
+
+log = logging.getLogger("pulsesync.chain")
+_VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
+DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
 
 
 @dataclass
@@ -53,8 +59,11 @@ class ChainClient:
     bytes_downloaded: int = 0
     manifests_verified: int = 0
     published_at: dict[int, dt.datetime] = field(default_factory=dict)  # creation time of each manifest read
+    stream_id: str | None = None  # when set, manifests of any other stream are refused (ForeignStreamError)
+    rejected: dict[str, str] = field(default_factory=dict)  # ready key -> why its marker did not verify
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
+    _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest]] = field(default_factory=dict)
 
     # --- the ready listing ---------------------------------------------------------------------
     async def refresh(self, *, from_start: bool = False) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:
@@ -65,11 +74,46 @@ class ChainClient:
         async for info in self.store.list(layout.READY_PREFIX, start_after=self._last_key):
             # Only a marker advances the position: a stray key (notes.txt, _SUCCESS) sorts after
             # every step and would hide the markers published after it.
-            if entry := layout.parse_ready_key(info.key):
+            if (entry := layout.parse_ready_key(info.key)) and info.key not in self.rejected:
                 self._last_key = info.key
                 self._ready.setdefault(entry.step, set()).add(entry.kind)
                 found.append((entry, info))
         return found
+
+    async def newest_verified(self, at_most: int | None = None) -> int | None:
+        """The newest ready step (at or below at_most) with a marker that verifies; None if there is none.
+
+        A marker that does not verify (forged, malformed, another stream's, a replay) is skipped and
+        remembered in `rejected`, so one bad key never blocks the steps below it. Store errors raise.
+        """
+        await self.refresh()
+        for step in sorted((s for s in self._ready if at_most is None or s <= at_most), reverse=True):
+            if step in self._verified:  # markers never change: verified once is enough
+                return step
+            for kind in sorted(self._ready.get(step, ())):
+                try:
+                    await self.manifest(step, kind)
+                    return step
+                except NotFoundError:
+                    continue
+                except IntegrityError as e:
+                    self.reject(step, kind, e)
+        return None
+
+    def reject(self, step: int, kind: layout.Kind, error: IntegrityError) -> None:
+        """Forget a marker that does not verify; it is never listed again."""
+        key = layout.ready_key(step, kind)
+        self.rejected[key] = f"{type(error).__name__}: {error}"
+        self._forget(step, kind)
+        # Markers published after a forged far-future one sort before it: list again from the newest kept.
+        kept = [layout.ready_key(s, k) for s, kinds in self._ready.items() for k in kinds]
+        self._last_key = max(kept, default=None)
+        MARKERS_REJECTED.inc()
+        log.warning("skipping ready marker %s%s: %s", self.store.url, key, self.rejected[key])
+
+    def verified_marker(self, step: int) -> tuple[bytes, PatchManifest | AnchorManifest] | None:
+        """The raw bytes and manifest of the last marker verified for a step (recent steps only)."""
+        return self._verified.get(step)
 
     @property
     def last_listed(self) -> str | None:
@@ -110,8 +154,16 @@ class ChainClient:
             raise ReplayError(f"{self.store.url}{key}: holds the manifest of the older step {manifest.step} (replay)")
         if manifest.step != step or manifest.kind != kind:
             raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
+        if self.stream_id is not None and manifest.stream_id != self.stream_id:
+            raise ForeignStreamError(
+                f"{self.store.url}{key}: signed for stream {manifest.stream_id!r}, this chain is stream "
+                f"{self.stream_id!r} (copied from another run or prefix)"
+            )
         self.manifests_verified += 1
         self.published_at[step] = manifest.created
+        self._verified[step] = (data, manifest)
+        while len(self._verified) > _VERIFIED_KEPT:
+            del self._verified[min(self._verified)]
         return manifest
 
     async def walk(
@@ -198,9 +250,13 @@ class ChainClient:
             )
         if data is None:
             data = await self.fetch(manifest.objects[0])
+        # A patch never decodes to much more than the state it changes: a signed zstd bomb (a small
+        # frame declaring GiBs, sizes consistent) is refused before anything is allocated.
+        held_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        limit = held_bytes + held_bytes // 2 + DECODE_MARGIN_BYTES
         # The thread writes into `state`: a cancelled caller must not roll back before it is done.
         new = await in_thread_to_completion(
-            apply_patch, state, data, base_digest=digest, threads=self.threads, undo=undo
+            apply_patch, state, data, base_digest=digest, threads=self.threads, undo=undo, max_decoded_bytes=limit
         )
         assert new is not None  # verify=True
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
@@ -217,6 +273,8 @@ class ChainClient:
             raise NotFoundError(f"{self.store.url}: step {walk.end} is not ready, so step {target} cannot be rebuilt")
         anchor = await self.manifest(walk.end, "anchor")
         assert isinstance(anchor, AnchorManifest)
+        if len(streams := {m.stream_id for m in [anchor, *links]}) > 1:
+            raise ForeignStreamError(f"{self.store.url}: the chain to step {target} mixes streams {sorted(streams)}")
         state, digest, files = await self.load_anchor(anchor)
         digest = await self.apply_chain(state, digest, links)
         return Reconstruction(target, state, digest, files, walk.end, len(links))

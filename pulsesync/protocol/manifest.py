@@ -88,6 +88,10 @@ class _ManifestBase(_Strict):
     state_digest: StateDigest
     sizes: Sizes
     created_at: str
+    # The publishing stream: generated at a prefix's first publish, kept by every restart. Signed,
+    # so a manifest copied in from another run or prefix (same key) is told apart. "": written
+    # before stream ids existed.
+    stream_id: str = Field("", pattern=r"^[0-9a-z]{0,32}$")
     key_id: str = ""
     signature: str = ""
 
@@ -173,7 +177,7 @@ def _load(data: bytes, name: str) -> dict[str, Any]:
     version = raw.get("format_version")
     if version != MANIFEST_VERSION:
         raise UnsupportedVersionError(
-            f"{name}: manifest format_version {str(version)[:40]!r} is not supported "
+            f"{name}: manifest format_version {str(version)[:40]} is not supported "
             f"(this pulsesync reads {MANIFEST_VERSION})"
         )
     return raw

@@ -31,7 +31,14 @@ from pulsesync import metrics, state_cache
 from pulsesync.codec import encode_patch, read_header
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import State
-from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
+from pulsesync.errors import (
+    ConfigError,
+    ConflictError,
+    ForeignStreamError,
+    IntegrityError,
+    NotFoundError,
+    PulseSyncError,
+)
 from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
@@ -77,6 +84,7 @@ class AsyncPublisher:
         self.config = config
         self.store = store or open_store(config.store)
         self.run_id = secrets.token_hex(4)  # payload keys unique to this run: nothing is ever overwritten
+        self.stream_id = secrets.token_hex(8)  # signed into every manifest; a restart adopts the prefix's
         self.reports: deque[StepReport] = deque(maxlen=1000)
         self.skipped = 0
         self.last_error: PulseSyncError | None = None  # of the newest step that failed
@@ -104,7 +112,15 @@ class AsyncPublisher:
         if self._worker is not None:
             return
         self._cond = asyncio.Condition()
-        ready = await self._scan_ready()
+        await self._scan_ready()
+        # Only markers our key verifies count: a forged far-future marker must not stop publishing.
+        newest = await self._chain.newest_verified()
+        ready = {s: k for s, k in (await self._chain.ready()).items() if newest is not None and s <= newest}
+        if newest is not None:
+            found = self._chain.verified_marker(newest)
+            assert found is not None
+            self.stream_id = found[1].stream_id or self.stream_id  # the prefix's stream goes on
+        self._chain.stream_id = self.stream_id
         if ready:
             self._last_step = max(ready)
             if self.config.resume:
@@ -355,7 +371,7 @@ class AsyncPublisher:
     async def _commit(self, manifest: PatchManifest | AnchorManifest) -> None:
         """Write the signed manifest as the step's ready marker; never overwrites."""
         self._own.add(layout.ready_key(manifest.step, manifest.kind))
-        await write_ready_marker(self.store, manifest, self._key)
+        await write_ready_marker(self.store, manifest.model_copy(update={"stream_id": self.stream_id}), self._key)
 
     async def _scan_ready(self) -> dict[int, set[layout.Kind]]:
         """Ready markers other publishers wrote since the last scan, by step."""
@@ -368,13 +384,23 @@ class AsyncPublisher:
         return found
 
     async def _check_prefix(self, step: int) -> None:
-        """ConflictError if another publisher committed to the prefix since our last look."""
-        if foreign := await self._scan_ready():
-            other = min(foreign)
-            raise ConflictError(
-                f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the chain "
-                "does not fork"
-            )
+        """ConflictError if another publisher (with our key) committed to the prefix since our last look."""
+        foreign = await self._scan_ready()
+        for other, kinds in sorted(foreign.items()):
+            for kind in sorted(kinds):
+                try:
+                    await self._chain.manifest(other, kind)
+                except NotFoundError:
+                    continue
+                except ForeignStreamError:  # signed with our key by another run: a second publisher
+                    pass
+                except IntegrityError as e:  # forged, malformed or replayed: no publisher wrote it
+                    self._chain.reject(other, kind, e)
+                    continue
+                raise ConflictError(
+                    f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the "
+                    "chain does not fork"
+                )
 
 
 class Publisher:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from pulsesync.errors import EngineError
+
+T = TypeVar("T")
 
 
 class EngineClient:
@@ -45,17 +48,25 @@ class EngineClient:
         url = self.url + path
         try:
             async with self._session.request(method, url, json=body) as response:
-                text = await response.text()
+                text = (await response.read()).decode("utf-8", "replace")  # any bytes: never a decode crash
                 if response.status >= 300 and response.status not in accept:
-                    raise EngineError(f"{method} {url}: HTTP {response.status}: {text[:300]}")
-        except (aiohttp.ClientError, TimeoutError) as e:
+                    raise EngineError(f"{method} {url}: HTTP {response.status}: {text[:300]!r}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise EngineError(f"{method} {url}: {type(e).__name__}: {e}") from None
         if not text.strip():
             return None
         try:
             return json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text
+
+
+def reply_field(reply: Any, field: str, kind: type[T], what: str) -> T:
+    """`reply[field]` checked to be a `kind`; EngineError quoting the reply otherwise (engine replies are validated)."""
+    value = reply.get(field) if isinstance(reply, dict) else None
+    if not isinstance(value, kind):
+        raise EngineError(f"{what}: expected {field!r} of type {kind.__name__} in the reply, got {str(reply)[:300]!r}")
+    return value
 
 
 @contextlib.asynccontextmanager

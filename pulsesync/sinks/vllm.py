@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from pulsesync.atomic_files import replace_with
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
-from pulsesync.sinks.http import EngineClient, paused
+from pulsesync.sinks.http import EngineClient, paused, reply_field
 from pulsesync.sinks.vllm_worker import PulseSyncWorkerExtension
 from pulsesync.sinks.weight_update import build_update
 
@@ -91,10 +91,13 @@ class VLLMSink(Sink):
                 await self._reset_prefix_cache(engine, update)
                 await engine.post("/resume", {})  # a no-op unless our own failed delivery left it paused
                 return
-            if (await engine.get("/is_sleeping")).get("is_sleeping"):
+            if reply_field(await engine.get("/is_sleeping"), "is_sleeping", bool, f"vllm sink: {self.url}/is_sleeping"):
                 raise EngineError(f"vllm sink: {self.url} is sleeping; step {update.step} not delivered")
             layout = (await self._rpc(engine, "pulsesync_layout"))[0]
-            skip = self._aliases(update, layout.get("aliases", {}))
+            aliases = reply_field(layout, "aliases", dict, f"vllm sink: pulsesync_layout on {self.url}")
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+                raise EngineError(f"vllm sink: pulsesync_layout on {self.url} answered aliases {str(aliases)[:300]!r}")
+            skip = self._aliases(update, aliases)
             base = update.previous_digest if held is not None and update.previous_digest is not None else None
             if base is not None and base.root != held:
                 base = None  # the engine holds neither this state nor the previous one: send everything

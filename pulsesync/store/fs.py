@@ -58,8 +58,8 @@ class FileStore(Store):
         """Open a key for reading: regular files only, never through a symlink (a FIFO or /dev/zero is no object)."""
         fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StoreError(f"{self.url}{key}: not a regular file")
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # listings skip these too
+                raise NotFoundError(f"{self.url}{key}: not a regular file, so no object")
             return os.fdopen(fd, "rb")
         except BaseException:
             os.close(fd)
@@ -74,8 +74,8 @@ class FileStore(Store):
         except (IsADirectoryError, NotADirectoryError):
             raise NotFoundError(f"{op} {self.url}{key}: no such object") from None
         except OSError as e:
-            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                raise StoreError(f"{op} {self.url}{key}: a symlink, not an object") from None
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink; listings skip these too
+                raise NotFoundError(f"{op} {self.url}{key}: a symlink, so no object") from None
             raise translate_error(e, op, f"{self.url}{key}") from e
 
     # --- reads ---------------------------------------------------------------------------------

@@ -22,5 +22,14 @@ class SubscriberConfig(Config):
     retry_max_seconds: float = Field(60.0, gt=0, description="longest wait between failed syncs")
     unhealthy_after: int = Field(5, ge=1, description="consecutive failed syncs before /healthz reports unhealthy")
     once_attempts: int = Field(3, ge=1, description="syncs --once tries before giving up")
+    stream_id: str | None = Field(
+        None,
+        pattern=r"^[0-9a-z]{1,32}$",
+        description="accept only manifests of this publishing stream; default: the stream of the first verified "
+        "state, kept across restarts in cache_dir",
+    )
+    sync_deadline_seconds: float = Field(
+        1800.0, gt=0, description="a sync running longer is cut off (DeadlineError); /healthz reports one that is not"
+    )
     sinks: list[SinkConfig] = Field(default_factory=list, description="where verified states go, in order")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics and /healthz on this port")

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from safetensors import SafetensorError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -40,7 +41,11 @@ from pulsesync.codec import UndoLog, fused
 from pulsesync.digest import StateDigest
 from pulsesync.errors import (
     ConfigError,
+    DeadlineError,
     EngineError,
+    ForeignStreamError,
+    IntegrityError,
+    LocalWriteError,
     NotFoundError,
     PulseSyncError,
     ReplayError,
@@ -48,13 +53,14 @@ from pulsesync.errors import (
 )
 from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.manifest import verify_manifest
 from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
 from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
-_NOT_A_VERIFICATION_FAILURE = (StoreError, NotFoundError, EngineError, ConfigError)
+_NOT_A_VERIFICATION_FAILURE = (StoreError, NotFoundError, EngineError, ConfigError, LocalWriteError, DeadlineError)
 
 
 @dataclass
@@ -96,6 +102,10 @@ class SubscriberStatus:
     last_error: str | None = None
     paths: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    stream_id: str | None = None
+    rejected_markers: int = 0  # ready markers skipped because they do not verify
+    last_rejected: str | None = None
+    sync_running_seconds: float | None = None
 
 
 class Subscriber:
@@ -114,7 +124,7 @@ class Subscriber:
             raise ConfigError("trusted_keys: a subscriber needs at least one trusted public key (--trusted-key)")
         self.config = config
         self.store = store or open_store(config.store)
-        self.chain = ChainClient(self.store, trusted, threads=config.codec.threads or 1)
+        self.chain = ChainClient(self.store, trusted, threads=config.codec.threads or 1, stream_id=config.stream_id)
         sink_configs = list(config.sinks)
         if config.out_dir is not None:
             sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))
@@ -127,6 +137,8 @@ class Subscriber:
         self._undelivered: _Staged | None = None  # a slow-path state a sink refused: deliver again
         self._state_lock = threading.Lock()  # held while the held state is patched in place
         self._warm_up: asyncio.Future[None] | None = None
+        self._sync_started: float | None = None  # monotonic time the running sync began
+        self._unsaved = False  # the served state is not in cache_dir yet (the last save failed)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -138,8 +150,54 @@ class Subscriber:
         cached = await asyncio.to_thread(state_cache.load, self.config.cache_dir, self.config.codec.threads)
         if cached is None:
             return
+        if not await self._authentic(cached):
+            return
         log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
         await self._activate(_Staged(cached.step, cached.state, cached.digest, cached.files, "cache"), persist=False)
+
+    async def _authentic(self, cached: state_cache.CachedState) -> bool:
+        """Whether a signed manifest vouches for the cached state: the store's for its step, else the cached copy.
+
+        Where the store answers, its stream (the newest verified marker's) must be the cache's too,
+        so a cache another run wrote is discarded even when that run signed with the same key.
+        """
+        where = f"the state cache in {self.config.cache_dir}"
+        try:
+            store_stream = None
+            try:
+                newest = await self.chain.newest_verified()
+                kinds = (await self.chain.ready()).get(cached.step, set())
+                if newest is not None:
+                    store_stream = self.chain.verified_marker(newest)[1].stream_id  # type: ignore[index]
+            except StoreError as e:  # unreachable for now: the cached copy of the marker decides
+                log.warning("checking %s against the store's markers: %s", where, e)
+                kinds = set()
+            if kinds:
+                manifest = await self.chain.manifest(cached.step, sorted(kinds)[0])
+            elif cached.marker is not None:
+                manifest = verify_manifest(cached.marker, self.chain.trusted, name=f"{where}: its ready marker")
+            else:
+                raise NotFoundError(f"step {cached.step} has no ready marker in {self.store.url} and none was cached")
+            if manifest.step != cached.step or manifest.state_digest.root != cached.digest.root:
+                raise IntegrityError(
+                    f"its marker is step {manifest.step} with state digest {manifest.state_digest.root}, the cache "
+                    f"holds step {cached.step} with {cached.digest.root}"
+                )
+            pinned = self.chain.stream_id if self.chain.stream_id is not None else store_stream
+            if pinned and manifest.stream_id != pinned:
+                raise ForeignStreamError(f"it is of stream {manifest.stream_id!r}, the store's is {pinned!r}")
+        except PulseSyncError as e:
+            log.warning("discarding %s: no signed manifest vouches for it (%s: %s)", where, type(e).__name__, e)
+            return False
+        self._learn_stream(manifest.stream_id)
+        return True
+
+    def _learn_stream(self, stream_id: str) -> None:
+        """Pin the stream of the first verified state: later manifests must be of the same stream."""
+        if self.chain.stream_id is None and stream_id:
+            self.chain.stream_id = stream_id
+            log.info("following publishing stream %s", stream_id)
+        self.status.stream_id = self.chain.stream_id
 
     async def close(self) -> None:
         """Release the store."""
@@ -156,12 +214,29 @@ class Subscriber:
 
     # --- syncing ---------------------------------------------------------------------------------
     async def sync(self, target: int | None = None) -> SyncResult:
-        """One sync to `target` (default: the configured step, else the newest ready step)."""
+        """One sync to `target` (default: the configured step, else the newest step whose marker verifies).
+
+        Cut off after sync_deadline_seconds (DeadlineError), the held state rolled back first.
+        """
+        deadline = self.config.sync_deadline_seconds
+        self._sync_started = time.monotonic()
+        try:
+            return await asyncio.wait_for(self._sync(target), deadline)
+        except asyncio.TimeoutError:
+            raise DeadlineError(
+                f"sync did not finish within sync_deadline_seconds ({deadline:g} s); still serving step {self.step}"
+            ) from None
+        finally:
+            self._sync_started = None
+
+    async def _sync(self, target: int | None) -> SyncResult:
         t0, downloaded = time.perf_counter(), self.chain.bytes_downloaded
+        newest = await self.chain.newest_verified()
+        self.status.rejected_markers = len(self.chain.rejected)
+        self.status.last_rejected = next(reversed(self.chain.rejected.values()), None)
+        if newest is None:
+            raise NotFoundError(f"{self.store.url}: no ready step whose marker verifies yet")
         ready = await self.chain.ready()
-        if not ready:
-            raise NotFoundError(f"{self.store.url}: no ready steps yet")
-        newest = max(ready)
         target = target if target is not None else self.config.step if self.config.step is not None else newest
         if target not in ready:
             raise NotFoundError(f"{self.store.url}: step {target} is not ready (newest is {newest})")
@@ -192,6 +267,8 @@ class Subscriber:
             metrics.SYNC_SECONDS.labels(path).observe(seconds)
             self.status.paths[path] = self.status.paths.get(path, 0) + 1
         assert self.digest is not None
+        if self._unsaved:  # also retries a save that failed before
+            await self._save()
         return SyncResult(self.step, path, self.digest.root, seconds, got)
 
     async def _incremental(self, target: int) -> _Staged | None:
@@ -233,7 +310,10 @@ class Subscriber:
         update = Update(staged.step, staged.state, staged.digest, staged.files, self.digest, list(staged.undo))
         try:
             for sink in self.sinks:
-                await sink.deliver(update)
+                try:
+                    await sink.deliver(update)
+                except (OSError, SafetensorError) as e:  # a local write failed (disk full): go on, retry later
+                    raise LocalWriteError(f"{type(sink).__name__}: step {staged.step} not delivered ({e})") from None
         except BaseException:
             if staged.undo:
                 staged.rollback()  # the next sync applies the patches again
@@ -248,8 +328,18 @@ class Subscriber:
         self.status.step, self.status.digest = staged.step, staged.digest.root
         metrics.SUBSCRIBER_STEP.set(staged.step)
         log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
-        if persist and self.config.cache_dir is not None:
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, staged)
+        if (found := self.chain.verified_marker(staged.step)) is not None:
+            self._learn_stream(found[1].stream_id)
+        self._unsaved = persist and self.config.cache_dir is not None
+
+    async def _save(self) -> None:
+        """Persist the served state to cache_dir; a failure (LocalWriteError) is retried at the next sync."""
+        assert self.config.cache_dir is not None and self.state is not None and self.digest is not None
+        found = self.chain.verified_marker(self.step)
+        served = VerifiedState(self.step, self.state, self.digest, self.files)
+        with self._state_lock:  # not patched while it is written out
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, served, found[0] if found else None)
+        self._unsaved = False
 
     # --- in-process sink -------------------------------------------------------------------------
     def apply_to(self, module: torch.nn.Module) -> None:
@@ -329,7 +419,10 @@ class Subscriber:
 
     def healthy(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, details): serving a verified state and fewer than `unhealthy_after` failures in a row."""
-        ok = self.state is not None and self.status.consecutive_failures < self.config.unhealthy_after
+        running = None if self._sync_started is None else time.monotonic() - self._sync_started
+        self.status.sync_running_seconds = running
+        stuck = running is not None and running > self.config.sync_deadline_seconds  # its cut-off did not take
+        ok = self.state is not None and self.status.consecutive_failures < self.config.unhealthy_after and not stuck
         return ok, asdict(self.status) | {"healthy": ok}
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -28,6 +28,10 @@ class FaultProxy:
     schedule: list[str] = field(default_factory=list)  # "ok", "500", "503", "403", "404", "reset", "truncate"
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, action)
     down: bool = False  # while set, every connection is reset: the store is unreachable
+    hang: bool = False  # while set, requests are read and never answered (an endpoint that went silent)
+    trickle_seconds: float | None = None  # while set, GET bodies arrive one byte per this many seconds
+    oversize: dict[str, int] = field(default_factory=dict)  # path suffix -> bytes of junk served in its place
+    bytes_sent: int = 0  # body bytes delivered to the client
     endpoint: str = ""
 
     async def start(self) -> str:
@@ -50,6 +54,21 @@ class FaultProxy:
         action = "reset" if self.down else self.schedule.pop(0) if self.schedule else "ok"
         self.seen.append((request.method, request.path, action))
         body = await request.read()
+        if self.hang:
+            await asyncio.sleep(3600)
+        if request.method == "GET" and (junk := self._oversized(request.path)) is not None:
+            return await self._stream(request, junk, web.StreamResponse(status=200))
+        if request.method == "GET" and self.trickle_seconds is not None and "list-type" not in request.query:
+            async with self._session.get(self.upstream + request.path_qs, headers=self._forward(request)) as up:
+                data = await up.read()
+                response = web.StreamResponse(status=up.status, headers=self._forward(up))
+            response.content_length = len(data)
+            await response.prepare(request)
+            for i in range(len(data)):
+                await response.write(data[i : i + 1])
+                self.bytes_sent += 1
+                await asyncio.sleep(self.trickle_seconds)
+            return response
         if action in _ERRORS:
             code, message = _ERRORS[action]
             xml = (
@@ -61,7 +80,7 @@ class FaultProxy:
             request.transport.abort()  # the client sees its connection reset mid-request
             await asyncio.sleep(0.05)
             raise web.HTTPServiceUnavailable()  # never delivered: the socket is gone
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers = self._forward(request)
         async with self._session.request(
             request.method, self.upstream + request.path_qs, headers=headers, data=body
         ) as upstream:
@@ -79,4 +98,25 @@ class FaultProxy:
         if request.method == "HEAD":  # the object's size travels only in Content-Length
             out_headers["Content-Length"] = upstream.headers.get("Content-Length", "0")
             return web.Response(status=status, headers=out_headers)
+        self.bytes_sent += len(data)
         return web.Response(status=status, headers=out_headers, body=data)
+
+    @staticmethod
+    def _forward(message: web.Request | aiohttp.ClientResponse) -> dict[str, str]:
+        return {k: v for k, v in message.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+    def _oversized(self, path: str) -> int | None:
+        return next((size for suffix, size in self.oversize.items() if path.endswith(suffix)), None)
+
+    async def _stream(self, request: web.Request, size: int, response: web.StreamResponse) -> web.StreamResponse:
+        """`size` junk bytes, whatever range was asked for: a server that ignores Range, or an object replaced."""
+        response.content_length = size
+        await response.prepare(request)
+        block = b"\x00" * (1 << 20)
+        try:
+            for start in range(0, size, len(block)):
+                await response.write(block[: min(len(block), size - start)])
+                self.bytes_sent += min(len(block), size - start)
+        except (ConnectionError, RuntimeError):  # the client hung up: what a bounded reader does
+            pass
+        return response
