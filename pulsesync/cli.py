@@ -147,6 +147,7 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
 def _cmd_retain(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pulsesync.protocol import signing
     from pulsesync.retention import RetentionWorker
     from pulsesync.retention.policy import RetentionConfig
     from pulsesync.store import open_store
@@ -163,11 +164,14 @@ def _cmd_retain(args: argparse.Namespace) -> int:
             "dry_run": True if args.dry_run else None,
         },
     )
+    if args.trusted_key:
+        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
+    trusted = signing.trusted_keys(config.trusted_keys)
     logging.getLogger("pulsesync.retention").setLevel(logging.INFO)  # one summary line per run
 
     async def run() -> None:
         async with open_store(config.store) as store:
-            worker = RetentionWorker(store, config)
+            worker = RetentionWorker(store, config, trusted)
             if args.once or config.dry_run:
                 plan = await worker.run_once()
                 if config.dry_run:
@@ -317,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     subscribe.set_defaults(run=_cmd_subscribe)
 
     retain = commands.add_parser(
-        "retain", parents=[common], help="prune old patches and anchors by policy, never breaking a kept chain"
+        "retain",
+        parents=[common, trusted_flag],
+        help="prune old patches and anchors by policy, never breaking a kept chain (markers verified)",
     )
     retain.add_argument("--keep-patches", type=int, metavar="N", help="newest patches kept (default 100)")
     retain.add_argument("--keep-anchors", type=int, metavar="M", help="newest anchors kept (default 10)")

@@ -117,7 +117,9 @@ async def _demo(
         joined = {"A": 0, "B": late_join}
         paths: dict[str, dict[str, int]] = {"A": {}, "B": {}}
         retention = RetentionWorker(
-            store, RetentionPolicy(keep_patches=max(1, anchor_interval // 2), keep_anchors=1, grace_seconds=0)
+            store,
+            RetentionPolicy(keep_patches=max(1, anchor_interval // 2), keep_anchors=1, grace_seconds=0),
+            trusted,
         )
         pruned_objects = pruned_bytes = 0
 

@@ -47,6 +47,9 @@ SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being se
 LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")
 LAG_SECONDS = Gauge("pulsesync_lag_seconds", "Seconds from publishing the served step to serving it")
 HEALTHY = Gauge("pulsesync_healthy", "1 while the subscriber is healthy")
+RETENTION_SKIPPED = Counter(
+    "pulsesync_retention_skipped_total", "Markers, tombstones and keys retention did not trust and left alone"
+)
 MARKERS_REJECTED = Counter(
     "pulsesync_markers_rejected_total", "Ready markers skipped because they do not verify (forged, malformed, replayed)"
 )

@@ -605,3 +605,103 @@ async def test_odd_vllm_replies_are_engine_errors(
         assert sub.state is None
     finally:
         await runner.cleanup()
+
+
+# --- item 9: retention trusts only what verifies ------------------------------------------------------
+async def _published_with_retention_state(store: Store, key: Ed25519PrivateKey) -> None:
+    from pulsesync.publisher.config import PublisherConfig
+    from tests.support.helpers import trainer_states
+
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=store, signing_key=key)
+    await pub.start()
+    for step in range(12):
+        await pub.publish(step, trainer_states(12)[step])
+    await pub.close()
+
+
+def trusted(key: Ed25519PrivateKey) -> Any:
+    from pulsesync.protocol import signing
+
+    return signing.trusted_keys([key.public_key()])
+
+
+async def _payload_keys(store: Store, step: int, kind: str) -> list[str]:
+    folder = layout.anchor_prefix(step) if kind == "anchor" else layout.patch_prefix(step)
+    return [info.key async for info in store.list(folder)]
+
+
+async def test_a_forged_tombstone_or_unsigned_marker_deletes_nothing_live(store: Store, key: Ed25519PrivateKey) -> None:
+    """Item 9: a forged tombstone deleted the newest live anchor's shards; a forged old marker did the same."""
+    import datetime as dt
+
+    from pulsesync.protocol import signing
+    from pulsesync.retention import RetentionWorker
+    from pulsesync.retention.policy import RetentionPolicy
+
+    await _published_with_retention_state(store, key)
+    live = await _payload_keys(store, 10, "anchor")
+    assert live
+    objects = [[k, 1] for k in live]
+    old = "2000-01-01T00:00:00+00:00"
+    # The old (unsigned) tombstone format, naming the live anchor's shards, long due.
+    await store.put(
+        layout.tombstone_key(3, "anchor"),
+        json.dumps({"step": 3, "kind": "anchor", "objects": objects, "removed_at": old}).encode(),
+    )
+    # A copy of the live anchor's own signed marker as a tombstone of another step.
+    await store.put(
+        layout.tombstone_key(4, "anchor"),
+        json.dumps({"marker": (await store.get(layout.ready_key(10, "anchor"))).decode(), "removed_at": old}).encode(),
+    )
+    # A naive timestamp, and a NUL byte in a key it names: malformed, skipped, never a crash.
+    await store.put(layout.tombstone_key(6, "patch"), json.dumps({"marker": "{}", "removed_at": "2000-01-01"}).encode())
+    nul = {"step": 7, "kind": "patch", "objects": [["patches/000000000007/a\x00b", 1]], "removed_at": old}
+    await store.put(layout.tombstone_key(7, "patch"), json.dumps(nul).encode())
+    # An unsigned old marker that lists the live shards.
+    forged = json.loads(await store.get(layout.ready_key(0, "anchor")))
+    forged["objects"] = [{"key": k, "size": 1, "sha256": "0" * 64} for k in live]
+    forged["signature"] = ""
+    await store.put(layout.ready_key(0, "anchor"), json.dumps(forged).encode())
+    worker = RetentionWorker(
+        store,
+        RetentionPolicy(keep_patches=1, keep_anchors=1, grace_seconds=0),
+        signing.trusted_keys([key.public_key()]),
+    )
+    for _ in range(2):
+        await worker.run_once()
+    assert await _payload_keys(store, 10, "anchor") == live
+    assert len(worker.skipped) >= 3 and dt.datetime.now(dt.timezone.utc)
+    cold = subscriber(store, key)
+    await cold.sync()
+    assert_serving(cold, 11)
+
+
+async def test_retention_never_deletes_through_a_symlinked_step_folder(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    """Item 9: on a file store a symlinked step folder plus a tombstone deleted a file outside the store root."""
+    import os
+
+    from pulsesync.protocol import signing
+    from pulsesync.retention import RetentionWorker
+    from pulsesync.retention.policy import RetentionPolicy
+    from pulsesync.store import FileStore
+
+    store = FileStore(tmp_path / "s")
+    await _published_with_retention_state(store, key)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "victim.bin").write_bytes(b"precious")
+    os.symlink(tmp_path / "outside", tmp_path / "s" / "patches" / "000000000002x")
+    os.symlink(tmp_path / "outside", tmp_path / "s" / "anchors" / "000000000003")
+    victim = [["anchors/000000000003/victim.bin", 8]]
+    stone = {"step": 3, "kind": "anchor", "objects": victim, "removed_at": "2000-01-01T00:00:00+00:00"}
+    await store.put(layout.tombstone_key(3, "anchor"), json.dumps(stone).encode())
+    worker = RetentionWorker(
+        store,
+        RetentionPolicy(keep_patches=1, keep_anchors=1, grace_seconds=0),
+        signing.trusted_keys([key.public_key()]),
+    )
+    await worker.run_once()
+    await worker.run_once()
+    assert (tmp_path / "outside" / "victim.bin").read_bytes() == b"precious"
+    with pytest.raises(StoreError, match="outside the store root"):
+        await store.delete_many(["anchors/000000000003/victim.bin"])
+    assert (tmp_path / "outside" / "victim.bin").exists()

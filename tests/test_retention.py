@@ -86,7 +86,7 @@ def test_retention_never_breaks_a_kept_chain(
             published += more
             before = await ready_steps(store)
             policy = RetentionPolicy(keep_patches=keep_patches, keep_anchors=keep_anchors, grace_seconds=0)
-            worker = RetentionWorker(store, policy)
+            worker = RetentionWorker(store, policy, TRUSTED)
             await worker.run_once()
             after = await ready_steps(store)
             newest = max(before)
@@ -95,7 +95,7 @@ def test_retention_never_breaks_a_kept_chain(
                 keep_patches, len([s for s, kinds in before.items() if "patch" in kinds])
             )
             await assert_every_ready_step_reconstructs(store)
-            again = await RetentionWorker(store, policy).plan()
+            again = await RetentionWorker(store, policy, TRUSTED).plan()
             assert again.deleted_objects == 0  # a second run deletes nothing
         # Nothing the kept markers do not name is left behind (grace 0: payloads went at once).
         reader = ChainClient(store, TRUSTED)
@@ -118,11 +118,11 @@ async def test_grace_period_keeps_payloads_then_dry_run_and_second_run(tmp_path:
     await pub.start()
     await publish(pub, list(range(12)))
     policy = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=1.0)
-    dry = await RetentionWorker(store, policy).run_once(dry_run=True)
+    dry = await RetentionWorker(store, policy, TRUSTED).run_once(dry_run=True)
     assert dry.unmark and not dry.purge
     assert dry.lines()[0] == "remove ready marker ready/000000000000.anchor.json"
     assert len(await ready_steps(store)) == 12  # a dry run deletes nothing
-    worker = RetentionWorker(store, policy)
+    worker = RetentionWorker(store, policy, TRUSTED)
     first = await worker.run_once()
     assert sorted(p.entry for p in first.unmark) == sorted(
         [(0, "anchor"), (5, "anchor")] + [(s, "patch") for s in range(1, 10)]
@@ -164,7 +164,7 @@ async def test_subscriber_converges_while_retention_deletes_under_it(moto_endpoi
     subs = {name: Subscriber(fast_retry, store=store, trusted=TRUSTED, sinks=[sink]) for name, sink in sinks.items()}
     for sub in subs.values():
         await sub.sync(2)  # holds step 2: reaching 19 takes the chain 3..19, which retention prunes to 16..19
-    worker = RetentionWorker(store, RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0))
+    worker = RetentionWorker(store, RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0), TRUSTED)
     done = asyncio.Event()
 
     async def prune() -> None:  # runs again and again while the subscriber reads
@@ -217,10 +217,11 @@ def test_retain_inspect_and_verify_commands(tmp_path: Path, capsys: pytest.Captu
         (8, "anchor", None),
         (8, "patch", 4),
     ]
-    assert main(["retain", "--store", url, "--keep-patches", "1", "--keep-anchors", "1", "--dry-run"]) == 0
+    trust = ["--trusted-key", str(pub_file)]
+    assert main(["retain", "--store", url, "--keep-patches", "1", "--keep-anchors", "1", "--dry-run", *trust]) == 0
     plan = capsys.readouterr().out.splitlines()
     assert plan[0] == "remove ready marker ready/000000000000.anchor.json" and plan[-1].startswith("would have: ")
-    flags = ["--store", url, "--keep-patches", "1", "--keep-anchors", "1", "--grace-seconds", "0", "--once"]
+    flags = ["--store", url, "--keep-patches", "1", "--keep-anchors", "1", "--grace-seconds", "0", "--once", *trust]
     assert main(["retain", *flags]) == 0
     assert "kept 2 ready markers; removed 10 markers" in capsys.readouterr().out  # patch 9 + anchor 8 stay
     assert main(["retain", *flags]) == 0
@@ -232,8 +233,11 @@ def test_retain_inspect_and_verify_commands(tmp_path: Path, capsys: pytest.Captu
     assert "NotFoundError" in capsys.readouterr().err
     assert main(["verify", "--store", url]) == 3
     (tmp_path / "store" / "ready" / "000000000009.patch.json").write_text("{")
-    assert main(["retain", *flags]) == 9  # a manifest it cannot read: nothing is deleted
-    assert "ManifestError" in capsys.readouterr().err and (tmp_path / "store" / "ready").exists()
+    assert main(["retain", *flags]) == 0  # a marker it cannot read is skipped: it keeps and deletes nothing
+    assert "deleted 0 objects" in capsys.readouterr().out
+    assert (tmp_path / "store" / "ready" / "000000000009.patch.json").exists()
+    assert any((tmp_path / "store" / "patches" / "000000000009").iterdir())
+    assert main(["retain", *flags[:-2]]) == 3  # no trusted key: a configuration error
 
 
 async def test_retention_runs_inside_the_publisher(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pulsesync.protocol import layout
 from pulsesync.retention.policy import RetentionPolicy
@@ -36,6 +36,7 @@ class Published:
     base_step: int | None  # patches only
     objects: tuple[tuple[str, int], ...]  # (key, size)
     marker_size: int = 0
+    marker: bytes = b""  # the signed manifest, kept in the tombstone once the marker is removed
 
     @property
     def entry(self) -> Entry:
@@ -45,12 +46,17 @@ class Published:
 
 @dataclass(frozen=True)
 class Tombstone:
-    """A ready marker retention removed; its payload objects are deleted once the grace period is over."""
+    """A ready marker retention removed; its payload objects are deleted once the grace period is over.
+
+    It carries the removed marker itself (signed by the publisher), so a reader authenticates
+    what it names: `objects` come from that verified manifest, never from the tombstone's own JSON.
+    """
 
     step: int
     kind: layout.Kind
     objects: tuple[tuple[str, int], ...]
     removed_at: dt.datetime
+    marker: bytes = b""
 
     @property
     def key(self) -> str:
@@ -58,25 +64,19 @@ class Tombstone:
         return layout.tombstone_key(self.step, self.kind)
 
     def to_bytes(self) -> bytes:
-        """JSON form."""
-        return json.dumps(
-            {
-                "step": self.step,
-                "kind": self.kind,
-                "objects": [[k, s] for k, s in self.objects],
-                "removed_at": self.removed_at.isoformat(),
-            }
-        ).encode()
+        """JSON form: the signed marker it replaces and when it was removed."""
+        return json.dumps({"marker": self.marker.decode("utf-8"), "removed_at": self.removed_at.isoformat()}).encode()
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Tombstone:
-        """Parse the JSON form (ValueError/KeyError/TypeError if malformed)."""
+    @staticmethod
+    def parse(data: bytes) -> tuple[bytes, dt.datetime]:
+        """The signed marker and removal time of a tombstone's JSON (ValueError if malformed)."""
         raw = json.loads(data)
-        kind = raw["kind"]
-        if kind not in ("patch", "anchor"):
-            raise ValueError(f"unknown kind {kind!r}")
-        objects = tuple((str(k), int(s)) for k, s in raw["objects"])
-        return cls(int(raw["step"]), kind, objects, dt.datetime.fromisoformat(raw["removed_at"]))
+        if not isinstance(raw, dict) or not isinstance(raw.get("marker"), str):
+            raise ValueError("no signed marker in it (written by an older pulsesync, or forged)")
+        removed_at = dt.datetime.fromisoformat(str(raw["removed_at"]))
+        if removed_at.tzinfo is None:
+            raise ValueError(f"removed_at {raw['removed_at']!r} has no time zone")
+        return raw["marker"].encode("utf-8"), removed_at
 
 
 @dataclass(frozen=True)
@@ -162,10 +162,16 @@ def plan(listing: StoreListing, policy: RetentionPolicy) -> Plan:
     result = Plan(sorted(keep))
     result.unmark = [p for e, p in sorted(listing.published.items()) if e not in keep]
     grace = dt.timedelta(seconds=policy.grace_seconds)
-    due = [t for t in listing.tombstones if listing.now - t.removed_at >= grace]
+    # A tombstone whose marker is still ready (a crash between the two writes, or a copy) waits.
+    due = [
+        t
+        for t in listing.tombstones
+        if listing.now - t.removed_at >= grace and (t.step, t.kind) not in listing.published
+    ]
     if policy.grace_seconds == 0:  # markers removed in this run are due at once
-        due += [Tombstone(p.step, p.kind, p.objects, listing.now) for p in result.unmark]
-    result.purge = sorted(due, key=lambda t: (t.step, t.kind))
+        due += [Tombstone(p.step, p.kind, p.objects, listing.now, p.marker) for p in result.unmark]
+    named_kept = {key for e, p in listing.published.items() if e in keep for key, _ in p.objects}
+    result.purge = sorted((_own_objects(t, named_kept) for t in due), key=lambda t: (t.step, t.kind))
     named = {key for p in listing.published.values() for key, _ in p.objects}
     named |= {key for t in listing.tombstones for key, _ in t.objects}
     oldest_kept = min((s for s, _ in keep), default=None)
@@ -176,3 +182,10 @@ def plan(listing: StoreListing, policy: RetentionPolicy) -> Plan:
         if info.last_modified is not None and listing.now - info.last_modified >= grace:
             result.orphans.append(info)
     return result
+
+
+def _own_objects(tombstone: Tombstone, named_kept: set[str]) -> Tombstone:
+    """The tombstone with only the objects it may delete: under its own step folder, named by no kept marker."""
+    folder = layout.patch_prefix(tombstone.step) if tombstone.kind == "patch" else layout.anchor_prefix(tombstone.step)
+    own = tuple((k, size) for k, size in tombstone.objects if k.startswith(folder) and k not in named_kept)
+    return replace(tombstone, objects=own)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pulsesync.config import Config
@@ -28,3 +30,7 @@ class RetentionPolicy(BaseModel):
 
 class RetentionConfig(Config, RetentionPolicy):
     """`pulsesync retain`: the retention worker."""
+
+    trusted_keys: list[Path] = Field(
+        default_factory=list, description="the publisher's public keys: only markers they sign are read"
+    )

@@ -3,8 +3,10 @@
 Execution order is the protocol's: a tombstone is written before its ready marker is removed, and
 payload objects are deleted only after the grace period, tombstone last, so a crash at any point
 leaves a state the next run finishes. Deleting is idempotent: objects already gone are fine.
-Manifests are parsed, not authenticated (retention only reads the chain's shape); if one does not
-parse, the run deletes nothing and says why: a chain it cannot read is a chain it cannot prove safe.
+Nothing in the store is trusted: ready markers are verified with the publisher's keys, tombstones
+carry the signed marker they replace and are verified the same way, and an object that does not
+verify or parse (a forged marker or tombstone, a stray key) is a counted, logged skip: it neither
+keeps nor deletes anything, and never stops a run.
 """
 
 from __future__ import annotations
@@ -13,54 +15,89 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+from collections.abc import Mapping
 
-from pulsesync.errors import NotFoundError, PulseSyncError
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulsesync.errors import ConfigError, IntegrityError, NotFoundError, PulseSyncError, StoreError
+from pulsesync.metrics import RETENTION_SKIPPED
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
-from pulsesync.protocol.manifest import PatchManifest, parse_manifest
+from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, PatchManifest, verify_manifest
 from pulsesync.retention.plan import Entry, Plan, Published, StoreListing, Tombstone, plan
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import ObjectInfo, Store
+from pulsesync.store.base import check_key
 
 log = logging.getLogger("pulsesync.retention")
 
 
 class RetentionWorker:
-    """Runs retention against one store; remembers the manifests it has read (they never change)."""
+    """Runs retention against one store; remembers the manifests it has verified (they never change)."""
 
-    def __init__(self, store: Store, policy: RetentionPolicy) -> None:
+    def __init__(self, store: Store, policy: RetentionPolicy, trusted: Mapping[str, Ed25519PublicKey]) -> None:
+        if not trusted:
+            raise ConfigError("trusted_keys: retention verifies every marker and needs the publisher's public key")
         self.store = store
         self.policy = policy
-        self.chain = ChainClient(store, {})  # retention only parses manifests: it reads the chain's shape
+        self.chain = ChainClient(store, trusted)
+        self.skipped: dict[str, str] = {}  # key -> why it was not trusted (markers, tombstones, payload keys)
         self._manifests: dict[str, Published] = {}  # by ready key
 
+    def _skip(self, key: str, why: str) -> None:
+        if key not in self.skipped:
+            RETENTION_SKIPPED.inc()
+            log.warning("retention: skipping %s%s (%s)", self.store.url, key, why)
+        self.skipped[key] = why
+
     async def listing(self) -> StoreListing:
-        """What the store holds now; ManifestError if a manifest does not parse (then nothing is planned)."""
+        """What the store holds now, every marker and tombstone authenticated; untrusted objects skipped."""
         published: dict[Entry, Published] = {}
         for entry, info in await self.chain.refresh(from_start=True):
             known = self._manifests.get(info.key)
             if known is None:
                 try:
-                    data = await self.chain.marker(entry.step, entry.kind)
+                    manifest = await self.chain.manifest(entry.step, entry.kind)
+                    data = self.chain.verified_marker(entry.step)[0]  # type: ignore[index]
                 except NotFoundError:
                     continue  # removed since the listing
-                manifest = parse_manifest(data, f"{self.store.url}{info.key}")
+                except IntegrityError as e:
+                    self._skip(info.key, f"{type(e).__name__}: {e}")
+                    continue
                 base = manifest.base_step if isinstance(manifest, PatchManifest) else None
                 objects = tuple((ref.key, ref.size) for ref in manifest.objects)
-                known = self._manifests[info.key] = Published(entry.step, entry.kind, base, objects, info.size)
+                known = Published(entry.step, entry.kind, base, objects, info.size, data)
+                self._manifests[info.key] = known
             published[(entry.step, entry.kind)] = known
         tombstones = []
         async for info in self.store.list(layout.TOMBSTONE_PREFIX):
             try:
-                tombstones.append(Tombstone.from_bytes(await self.store.get(info.key)))
+                tombstones.append(await self._tombstone(info.key))
             except NotFoundError:
                 continue
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("retention: ignoring malformed tombstone %s%s (%s)", self.store.url, info.key, e)
+            except (PulseSyncError, ValueError, KeyError, TypeError, RecursionError) as e:
+                self._skip(info.key, f"tombstone not trusted: {type(e).__name__}: {e}")
         payloads: list[ObjectInfo] = []
         for prefix in ("patches/", "anchors/"):
-            payloads += [info async for info in self.store.list(prefix)]
+            async for info in self.store.list(prefix):
+                try:
+                    payloads.append(ObjectInfo(check_key(info.key), info.size, info.etag, info.last_modified))
+                except StoreError as e:
+                    self._skip(info.key, str(e))
         return StoreListing(published, tombstones, payloads, dt.datetime.now(dt.timezone.utc))
+
+    async def _tombstone(self, key: str) -> Tombstone:
+        """A tombstone, authenticated by the signed marker it carries (which must be the one its key names)."""
+        name = key.removeprefix(layout.TOMBSTONE_PREFIX)
+        entry = layout.parse_ready_key(layout.READY_PREFIX + name)
+        if entry is None:
+            raise ValueError("not a tombstone key")
+        marker, removed_at = Tombstone.parse(await self.store.get(key, max_size=2 * MAX_MANIFEST_BYTES))
+        manifest = verify_manifest(marker, self.chain.trusted, name=f"{self.store.url}{key}")
+        if (manifest.step, manifest.kind) != (entry.step, entry.kind):
+            raise IntegrityError(f"it holds the {manifest.kind} manifest of step {manifest.step}")
+        objects = tuple((ref.key, ref.size) for ref in manifest.objects)
+        return Tombstone(entry.step, entry.kind, objects, removed_at, marker)
 
     async def plan(self) -> Plan:
         """The plan for the store as it is now."""
@@ -70,7 +107,7 @@ class RetentionWorker:
         """Carry out a plan: tombstone then marker; due payloads then their tombstone; orphans."""
         now = dt.datetime.now(dt.timezone.utc)
         for p in todo.unmark:
-            tombstone = Tombstone(p.step, p.kind, p.objects, now)
+            tombstone = Tombstone(p.step, p.kind, p.objects, now, p.marker)
             await self.store.put(tombstone.key, tombstone.to_bytes())
             await self.store.delete_many([layout.ready_key(p.step, p.kind)])
             self._manifests.pop(layout.ready_key(p.step, p.kind), None)
