@@ -46,3 +46,13 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 def key() -> Ed25519PrivateKey:
     """A fresh publisher signing key."""
     return Ed25519PrivateKey.generate()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The soak runs only when asked for (`-m soak`): it takes minutes."""
+    if "soak" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="the soak runs only with -m soak (SOAK_MINUTES, default 2)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)

@@ -508,7 +508,7 @@ def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollba
     monkeypatch.setattr(apply, "decode_record", slow_or_failing)
     state, undo = clone_state(base), UndoLog()
     with pytest.raises(CorruptPatchError, match="injected"):
-        apply.apply_patch(state, data, threads=4, undo=undo)
+        apply.apply_patch(state, data, threads=None, undo=undo)  # the shared pool, one thread per core
     undo.rollback(state)
     time.sleep(0.5)  # anything still running would land now
     assert_states_equal(state, base)
@@ -562,7 +562,7 @@ async def test_disk_full_in_the_directory_sink_and_cache_keeps_the_daemon_servin
         {"/is_sleeping": (200, b"\xff\xfe")},
         {"/is_sleeping": (200, b"[1, 2]")},
         {"layout": (200, b'{"results": [{"w": 5}]}')},
-        {"layout": (200, b'{"results": [{"aliases": {"a": 5}}]}')},
+        {"layout": (200, b'{"results": [{"aliases": ["a"]}]}')},
     ],
     ids=["500-binary", "200-binary", "sleeping-binary", "sleeping-list", "layout-shapes", "layout-bad-alias"],
 )

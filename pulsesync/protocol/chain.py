@@ -61,6 +61,7 @@ class ChainClient:
     published_at: dict[int, dt.datetime] = field(default_factory=dict)  # creation time of each manifest read
     stream_id: str | None = None  # when set, manifests of any other stream are refused (ForeignStreamError)
     rejected: dict[str, str] = field(default_factory=dict)  # ready key -> why its marker did not verify
+    last_rejection: IntegrityError | None = None
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
     _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest]] = field(default_factory=dict)
@@ -104,6 +105,7 @@ class ChainClient:
         """Forget a marker that does not verify; it is never listed again."""
         key = layout.ready_key(step, kind)
         self.rejected[key] = f"{type(error).__name__}: {error}"
+        self.last_rejection = error
         self._forget(step, kind)
         # Markers published after a forged far-future one sort before it: list again from the newest kept.
         kept = [layout.ready_key(s, k) for s, kinds in self._ready.items() for k in kinds]

@@ -235,7 +235,9 @@ class Subscriber:
         self.status.rejected_markers = len(self.chain.rejected)
         self.status.last_rejected = next(reversed(self.chain.rejected.values()), None)
         if newest is None:
-            raise NotFoundError(f"{self.store.url}: no ready step whose marker verifies yet")
+            if self.chain.last_rejection is not None:  # say why: e.g. every marker is signed by an unknown key
+                raise self.chain.last_rejection
+            raise NotFoundError(f"{self.store.url}: no ready steps yet")
         ready = await self.chain.ready()
         target = target if target is not None else self.config.step if self.config.step is not None else newest
         if target not in ready:

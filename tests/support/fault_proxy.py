@@ -103,7 +103,10 @@ class FaultProxy:
 
     @staticmethod
     def _forward(message: web.Request | aiohttp.ClientResponse) -> dict[str, str]:
-        return {k: v for k, v in message.headers.items() if k.lower() not in _HOP_BY_HOP}
+        headers = {k: v for k, v in message.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if isinstance(message, web.Request):  # the client signed the Host it sent (SeaweedFS checks it)
+            headers["Host"] = message.headers.get("Host", "")
+        return headers
 
     def _oversized(self, path: str) -> int | None:
         return next((size for suffix, size in self.oversize.items() if path.endswith(suffix)), None)
