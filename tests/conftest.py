@@ -9,8 +9,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, settings
 
+from pulsesync.publisher import AsyncPublisher
+from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore, S3Store, Store
 from tests.support.servers import BUCKET, moto_server, seaweedfs_server
+from tests.support.subscribing import publish
 
 settings.register_profile("default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=3000)
@@ -56,3 +59,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+async def publisher(store: Store, key: Ed25519PrivateKey) -> AsyncIterator[AsyncPublisher]:
+    """A publisher with steps 0..8 committed, anchors at 0 and 5."""
+    config = PublisherConfig(anchor_interval=5, shard_size=256 << 10, on_backpressure="block")
+    pub = AsyncPublisher(config, store=store, signing_key=key)
+    await pub.start()
+    await publish(pub, range(9))
+    yield pub
+    await pub.flush()

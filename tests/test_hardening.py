@@ -24,9 +24,7 @@ from pulsesync.protocol.manifest import verify_manifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.store import Store, StoreConfig
 from pulsesync.subscriber import Subscriber
-from tests.test_subscriber import assert_serving, publish, publisher, subscriber
-
-__all__ = ["publisher"]  # the fixture, shared with test_subscriber
+from tests.support.subscribing import assert_serving, publish, subscriber
 
 
 @pytest.fixture

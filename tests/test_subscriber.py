@@ -11,7 +11,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -30,48 +30,16 @@ from pulsesync.errors import (
     SignatureError,
     UnknownKeyError,
 )
-from pulsesync.protocol import layout, signing
+from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import ObjectRef, PatchManifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig
 from pulsesync.store import RetryPolicy, S3Store, Store
-from pulsesync.subscriber import Subscriber
-from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.fault_proxy import FaultProxy
 from tests.support.helpers import assert_states_equal, trainer_states
 from tests.support.servers import BUCKET
-
-STATES = 12
-FAST_RETRY = SubscriberConfig(retry_initial_seconds=0.01, retry_max_seconds=0.05)
-
-
-@pytest.fixture
-async def publisher(store: Store, key: Ed25519PrivateKey) -> AsyncIterator[AsyncPublisher]:
-    """A publisher with steps 0..8 committed, anchors at 0 and 5."""
-    config = PublisherConfig(anchor_interval=5, shard_size=256 << 10, on_backpressure="block")
-    pub = AsyncPublisher(config, store=store, signing_key=key)
-    await pub.start()
-    await publish(pub, range(9))
-    yield pub
-    await pub.flush()
-
-
-async def publish(pub: AsyncPublisher, steps: range) -> None:
-    for step in steps:
-        await pub.publish(step, trainer_states(STATES)[step], {"config.json": b'{"model_type": "t"}'})
-    await pub.flush()
-
-
-def subscriber(store: Store, key: Ed25519PrivateKey, **overrides: Any) -> Subscriber:
-    config = FAST_RETRY.model_copy(update=overrides)
-    return Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]))
-
-
-def assert_serving(sub: Subscriber, step: int) -> None:
-    assert sub.step == step
-    assert sub.state is not None
-    assert_states_equal(sub.state, trainer_states(STATES)[step])
+from tests.support.subscribing import STATES, assert_serving, publish, subscriber
 
 
 async def test_fast_chain_slow_and_cold_start_paths_end_bitwise_equal(
