@@ -7,8 +7,10 @@ on disk, objects put through the real S3 client into moto); the daemon tests run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,11 @@ from pulsesync.errors import ConfigError, CorruptPatchError, ManifestError, Puls
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import verify_manifest
 from pulsesync.publisher import AsyncPublisher
-from pulsesync.store import Store, StoreConfig
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.store import RetryPolicy, S3Store, Store, StoreConfig
 from pulsesync.subscriber import Subscriber
+from tests.support.fault_proxy import FaultProxy
+from tests.support.servers import BUCKET
 from tests.support.subscribing import assert_serving, publish, subscriber
 
 
@@ -295,32 +300,39 @@ async def test_a_state_cache_from_another_run_or_rewritten_is_discarded(
     assert_serving(genuine, 8)
 
 
+@contextlib.asynccontextmanager
+async def s3_behind_proxy(
+    moto_endpoint: str, key: Ed25519PrivateKey, **store_options: Any
+) -> AsyncIterator[tuple[FaultProxy, S3Store, AsyncPublisher]]:
+    """A publisher on moto (steps 0 and 1 committed) and a store reaching the same prefix through the fault proxy."""
+    proxy = FaultProxy(moto_endpoint)
+    await proxy.start()
+    prefix = f"proxied-{uuid.uuid4().hex[:8]}"
+    direct = S3Store(BUCKET, prefix, endpoint_url=moto_endpoint)
+    through_proxy = S3Store(BUCKET, prefix, endpoint_url=proxy.endpoint, **store_options)
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=100, on_backpressure="block"), store=direct, signing_key=key)
+    await pub.start()
+    await publish(pub, range(2))
+    try:
+        yield proxy, through_proxy, pub
+    finally:
+        await pub.close()
+        await through_proxy.close()
+        await direct.close()
+        await proxy.stop()
+
+
 # --- item 5: oversized objects ---------------------------------------------------------------------
 async def test_an_oversized_patch_on_s3_is_cut_off_at_its_signed_size(
     moto_endpoint: str, key: Ed25519PrivateKey
 ) -> None:
     """Item 5: a patch replaced by a big object was read in full before the size check (RAM, then MemoryError)."""
-    import uuid
-
-    from pulsesync.publisher.config import PublisherConfig
-    from pulsesync.store import S3Store
-    from tests.support.fault_proxy import FaultProxy
-    from tests.support.servers import BUCKET
-
-    proxy = FaultProxy(moto_endpoint)
-    await proxy.start()
-    prefix = f"oversize-{uuid.uuid4().hex[:8]}"
-    direct = S3Store(BUCKET, prefix, endpoint_url=moto_endpoint)
-    through_proxy = S3Store(BUCKET, prefix, endpoint_url=proxy.endpoint)
-    pub = AsyncPublisher(PublisherConfig(anchor_interval=100, on_backpressure="block"), store=direct, signing_key=key)
-    await pub.start()
-    await publish(pub, range(2))
-    sub = subscriber(through_proxy, key)
-    try:
+    async with s3_behind_proxy(moto_endpoint, key) as (proxy, through_proxy, pub):
+        sub = subscriber(through_proxy, key)
         await sub.sync()
         await publish(pub, range(2, 4))
         patch3 = (await sub.chain.manifest(3, "patch")).objects[0]
-        await direct.put(patch3.key, b"\x01" * (48 << 20))  # the real server now holds 48 MiB there
+        await pub.store.put(patch3.key, b"\x01" * (48 << 20))  # the real server now holds 48 MiB there
         proxy.bytes_sent = 0
         with pytest.raises(PulseSyncError):
             await sub.sync()  # fast path refused; the slow path has no anchor to fall back to
@@ -332,11 +344,6 @@ async def test_an_oversized_patch_on_s3_is_cut_off_at_its_signed_size(
         with pytest.raises(PulseSyncError):
             await sub.sync()
         assert proxy.bytes_sent < 64 << 20, proxy.bytes_sent
-    finally:
-        await pub.close()
-        await sub.close()
-        await direct.close()
-        await proxy.stop()
 
 
 async def test_a_marker_that_is_a_symlink_to_dev_zero_or_a_fifo_is_no_object(
@@ -371,47 +378,29 @@ async def test_a_trickling_or_silent_s3_endpoint_cannot_hang_the_daemon(
     moto_endpoint: str, key: Ed25519PrivateKey
 ) -> None:
     """Item 6: a body trickling a byte every 20 s hung a sync forever while /healthz said 200."""
-    import uuid
-
-    from pulsesync.publisher.config import PublisherConfig
-    from pulsesync.store import RetryPolicy, S3Store
-    from tests.support.fault_proxy import FaultProxy
-    from tests.support.servers import BUCKET
-
-    proxy = FaultProxy(moto_endpoint)
-    await proxy.start()
-    prefix = f"trickle-{uuid.uuid4().hex[:8]}"
-    direct = S3Store(BUCKET, prefix, endpoint_url=moto_endpoint)
     policy = RetryPolicy(attempts=2, initial_wait=0.05, attempt_timeout=1.0, max_total=2.5)
-    through_proxy = S3Store(BUCKET, prefix, endpoint_url=proxy.endpoint, retry=policy, read_timeout=30)
-    pub = AsyncPublisher(PublisherConfig(anchor_interval=100, on_backpressure="block"), store=direct, signing_key=key)
-    await pub.start()
-    await publish(pub, range(2))
-    sub = subscriber(through_proxy, key, poll_seconds=0.05, unhealthy_after=2, sync_deadline_seconds=20)
-    stop = asyncio.Event()
-    sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
-    try:
-        await wait_for(lambda: sub.step == 1, "step 1", sub=sub)
-        proxy.trickle_seconds = 5.0
-        await publish(pub, range(2, 4))
-        await wait_for(lambda: not sub.healthy()[0], "unhealthy while the body trickles", seconds=30, sub=sub)
-        assert "deadline" in (sub.status.last_error or ""), sub.status.last_error
-        assert sub.step == 1
-        proxy.trickle_seconds = None
-        proxy.hang = True  # an endpoint that never answers
-        failures = sub.status.consecutive_failures
-        await wait_for(lambda: sub.status.consecutive_failures > failures, "a failed sync while silent", sub=sub)
-        proxy.hang = False
-        await wait_for(lambda: sub.step == 3, "step 3 once the endpoint answers", seconds=60, sub=sub)
-        assert_serving(sub, 3)
-        assert sub.healthy()[0]
-    finally:
-        stop.set()
-        await sub.task  # type: ignore[attr-defined]
-        await pub.close()
-        await through_proxy.close()
-        await direct.close()
-        await proxy.stop()
+    async with s3_behind_proxy(moto_endpoint, key, retry=policy, read_timeout=30) as (proxy, through_proxy, pub):
+        sub = subscriber(through_proxy, key, poll_seconds=0.05, unhealthy_after=2, sync_deadline_seconds=20)
+        stop = asyncio.Event()
+        sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
+        try:
+            await wait_for(lambda: sub.step == 1, "step 1", sub=sub)
+            proxy.trickle_seconds = 5.0
+            await publish(pub, range(2, 4))
+            await wait_for(lambda: not sub.healthy()[0], "unhealthy while the body trickles", seconds=30, sub=sub)
+            assert "deadline" in (sub.status.last_error or ""), sub.status.last_error
+            assert sub.step == 1
+            proxy.trickle_seconds = None
+            proxy.hang = True  # an endpoint that never answers
+            failures = sub.status.consecutive_failures
+            await wait_for(lambda: sub.status.consecutive_failures > failures, "a failed sync while silent", sub=sub)
+            proxy.hang = False
+            await wait_for(lambda: sub.step == 3, "step 3 once the endpoint answers", seconds=60, sub=sub)
+            assert_serving(sub, 3)
+            assert sub.healthy()[0]
+        finally:
+            stop.set()
+            await sub.task  # type: ignore[attr-defined]
 
 
 async def test_a_sync_past_its_deadline_is_cut_off_and_reported_unhealthy(
