@@ -170,6 +170,8 @@ async def write_atomically(
     try:
         async for chunk in chunks:  # in order; hashing 16 MiB takes ~10 ms, so off the event loop
             written += await asyncio.to_thread(_append, out.file, sha, chunk)
+            if written > size:  # an object that grew, or a server sending more than asked: stop here
+                raise IntegrityError(f"download {key}: more than the {size} bytes expected")
         digest = sha.hexdigest()
         if written != size:
             raise IntegrityError(f"download {key}: got {written} bytes, the object has {size}")
