@@ -132,6 +132,10 @@ def seaweedfs_server(workdir: Path) -> Iterator[str]:
             f"-volume.port={ports['volume']}",
             f"-filer.port={ports['filer']}",
             f"-s3.port={ports['s3']}",
+            # Listeners on fixed default ports would make a second server on the machine fail to start.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-iam.port={free_port()}",
         ],
         stdout=log_file,
         stderr=subprocess.STDOUT,
