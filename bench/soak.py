@@ -59,6 +59,11 @@ STEP_SECONDS = 0.25  # the trainer's pace
 ANCHOR_INTERVAL = 10
 
 
+def _published_marker(key: str) -> bool:
+    entry = layout.parse_ready_key(key)
+    return entry is not None and entry.step < layout.MAX_STEP - 1000
+
+
 class DigestCheck(Sink):
     """Fails the soak if a delivered state's digest is not the publisher's for that step."""
 
@@ -261,7 +266,8 @@ class Soak:
             p.oversize[".bin"] = 256 << 20
             await asyncio.sleep(moment)
         else:
-            ready = sorted([k.key async for k in store.list(layout.READY_PREFIX)])
+            # Templates are the publisher's own markers, not the adversary's earlier far-future junk.
+            ready = sorted([k.key async for k in store.list(layout.READY_PREFIX) if _published_marker(k.key)])
             far = layout.MAX_STEP - rng.randrange(1000)
             if kind == "stray ready key":
                 await store.put(rng.choice(["ready/notes.txt", "ready/_SUCCESS", "ready/zzz.json"]), b"x")
