@@ -100,7 +100,6 @@ class Soak:
     faults: Counter[str] = field(default_factory=Counter)
     daemons: dict[str, Daemon] = field(default_factory=dict)
     checks: dict[str, DigestCheck] = field(default_factory=dict)
-    history: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def run(self, endpoint: str) -> dict[str, Any]:
         rng = random.Random(self.seed)
@@ -152,7 +151,7 @@ class Soak:
             if "late" not in self.daemons and time.monotonic() > late_at:
                 self._start("late")
             if not restarted_started and time.monotonic() > started + 5:
-                self._start("restarted", cache=True)
+                self._start("restarted")
                 restarted_started = True
             if restart_at and time.monotonic() > restart_at:
                 await self._restart("restarted")
@@ -196,14 +195,14 @@ class Soak:
         vllm = VLLMSink(VLLMSinkConfig(url=self.standin.url, update_dir=self.workdir / "updates", timeout_seconds=30))
         return [DirectorySink(DirectorySinkConfig(out_dir=self.workdir / "served", keep=2)), vllm]
 
-    def _start(self, name: str, extra_sinks: list[Sink] | None = None, cache: bool = False) -> None:
+    def _start(self, name: str, extra_sinks: list[Sink] | None = None) -> None:
         check = self.checks.setdefault(name, DigestCheck(self.published, name, self.violations))
         config = SubscriberConfig(
             poll_seconds=0.1,
             retry_initial_seconds=0.05,
             retry_max_seconds=1.0,
             sync_deadline_seconds=30.0,
-            cache_dir=self.workdir / f"cache-{name}" if cache or name == "restarted" else None,
+            cache_dir=self.workdir / f"cache-{name}" if name == "restarted" else None,
         )
         sub = Subscriber(config, store=self.faulty(), trusted=self.trusted, sinks=[*(extra_sinks or []), check])
         stop = asyncio.Event()
@@ -213,9 +212,8 @@ class Soak:
         old = self.daemons[name]
         old.stop.set()
         await old.task
-        self.history[f"{name} (before restart)"] = {"paths": dict(old.sub.status.paths)}
         await old.sub.close()
-        self._start(name, cache=True)
+        self._start(name)
         self.faults["subscriber restart"] += 1
 
     def _watch(self) -> None:

@@ -86,7 +86,7 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
         if bad := [n for n, sha in names.items() if hashlib.sha256(files[n]).hexdigest() != sha]:
             raise ValueError(f"file {bad[0]} does not match its SHA-256")
         marker_path = cache_dir / MARKER_FILE
-        marker = marker_path.read_bytes()[: 1 << 21] if marker_path.is_file() else None
+        marker = marker_path.read_bytes() if marker_path.is_file() else None
         state = load_owned(tensors)
     except (OSError, ValueError, KeyError, TypeError, RecursionError, ValidationError, SafetensorError) as e:
         log.warning("discarding the state cache in %s: unreadable (%s)", cache_dir, e)

@@ -619,7 +619,6 @@ async def _payload_keys(store: Store, step: int, kind: str) -> list[str]:
 
 async def test_a_forged_tombstone_or_unsigned_marker_deletes_nothing_live(store: Store, key: Ed25519PrivateKey) -> None:
     """Item 9: a forged tombstone deleted the newest live anchor's shards; a forged old marker did the same."""
-    import datetime as dt
 
     from pulsesync.protocol import signing
     from pulsesync.retention import RetentionWorker
@@ -657,7 +656,7 @@ async def test_a_forged_tombstone_or_unsigned_marker_deletes_nothing_live(store:
     for _ in range(2):
         await worker.run_once()
     assert await _payload_keys(store, 10, "anchor") == live
-    assert len(worker.skipped) >= 3 and dt.datetime.now(dt.timezone.utc)
+    assert len(worker.skipped) >= 3
     cold = subscriber(store, key)
     await cold.sync()
     assert_serving(cold, 11)
@@ -676,7 +675,6 @@ async def test_retention_never_deletes_through_a_symlinked_step_folder(tmp_path:
     await _published_with_retention_state(store, key)
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "victim.bin").write_bytes(b"precious")
-    os.symlink(tmp_path / "outside", tmp_path / "s" / "patches" / "000000000002x")
     os.symlink(tmp_path / "outside", tmp_path / "s" / "anchors" / "000000000003")
     victim = [["anchors/000000000003/victim.bin", 8]]
     stone = {"step": 3, "kind": "anchor", "objects": victim, "removed_at": "2000-01-01T00:00:00+00:00"}

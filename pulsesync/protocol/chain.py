@@ -81,14 +81,14 @@ class ChainClient:
                 found.append((entry, info))
         return found
 
-    async def newest_verified(self, at_most: int | None = None) -> int | None:
-        """The newest ready step (at or below at_most) with a marker that verifies; None if there is none.
+    async def newest_verified(self) -> int | None:
+        """The newest ready step with a marker that verifies; None if there is none.
 
         A marker that does not verify (forged, malformed, another stream's, a replay) is skipped and
         remembered in `rejected`, so one bad key never blocks the steps below it. Store errors raise.
         """
         await self.refresh()
-        for step in sorted((s for s in self._ready if at_most is None or s <= at_most), reverse=True):
+        for step in sorted(self._ready, reverse=True):
             if step in self._verified:  # markers never change: verified once is enough
                 return step
             for kind in sorted(self._ready.get(step, ())):

@@ -78,9 +78,9 @@ class ReadyEntry:
     kind: Kind
 
 
-def parse_ready_key(key: str) -> ReadyEntry | None:
-    """(step, kind) of a ready-marker key relative to the prefix, or None if it is not one."""
-    name = key.removeprefix(READY_PREFIX)
+def parse_ready_key(key: str, folder: str = READY_PREFIX) -> ReadyEntry | None:
+    """(step, kind) of a ready-marker key (or, with folder=TOMBSTONE_PREFIX, a tombstone key), or None."""
+    name = key.removeprefix(folder)
     match = _READY_RE.fullmatch(name) if name != key else None
     if match is None:
         return None

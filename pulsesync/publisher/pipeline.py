@@ -130,7 +130,7 @@ class AsyncPublisher:
         metrics.serve(self.config.metrics_port)
         self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
         if self.config.retention is not None:  # the retention worker, in this process
-            worker = RetentionWorker(self.store, self.config.retention, signing.trusted_keys([self._key.public_key()]))
+            worker = RetentionWorker(self.store, self.config.retention, self._chain.trusted)
             self._retention = asyncio.create_task(worker.run(self._stop_retention), name="pulsesync-retention")
 
     async def flush(self) -> None:

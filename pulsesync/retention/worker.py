@@ -88,8 +88,7 @@ class RetentionWorker:
 
     async def _tombstone(self, key: str) -> Tombstone:
         """A tombstone, authenticated by the signed marker it carries (which must be the one its key names)."""
-        name = key.removeprefix(layout.TOMBSTONE_PREFIX)
-        entry = layout.parse_ready_key(layout.READY_PREFIX + name)
+        entry = layout.parse_ready_key(key, layout.TOMBSTONE_PREFIX)
         if entry is None:
             raise ValueError("not a tombstone key")
         marker, removed_at = Tombstone.parse(await self.store.get(key, max_size=2 * MAX_MANIFEST_BYTES))

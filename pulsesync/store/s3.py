@@ -138,15 +138,12 @@ class S3Store(Store):
             return await self._call("get", key, lambda s3: self._read(s3, key))
 
         async def bounded(s3: Any) -> bytes:
-            try:
-                data = await self._read(s3, key, max_size, Range=f"bytes=0-{max_size}")
+            try:  # _read_chunks refuses the (max_size + 1)-th byte
+                return await self._read(s3, key, max_size, Range=f"bytes=0-{max_size}")
             except botocore.exceptions.ClientError as e:
                 if e.response.get("Error", {}).get("Code") == "InvalidRange":  # 416: the object is empty
                     return b""
                 raise
-            if len(data) > max_size:
-                raise oversized(f"get s3://{self.bucket}/{self._key(key)}", max_size)
-            return data
 
         return await self._call("get", key, bounded)
 
