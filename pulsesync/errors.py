@@ -117,6 +117,12 @@ class ForeignStreamError(IntegrityError):
     exit_code = 19
 
 
+class MissingReferenceError(IntegrityError):
+    """A history-coded patch needs the reference patch's history, and the one held is absent or another."""
+
+    exit_code = 20
+
+
 ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     PulseSyncError,
     ConfigError,
@@ -136,4 +142,5 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     DeadlineError,
     LocalWriteError,
     ForeignStreamError,
+    MissingReferenceError,
 )

@@ -131,8 +131,8 @@ def test_version_and_magic(pair, patch) -> None:
     base, _ = pair
     _expect(CorruptPatchError, base, b"NOTAPATCH" + patch[9:], "magic")
     bumped = bytearray(patch)
-    bumped[8] = 2  # format version u16 at offset 8; the header checksum is checked after the version
-    _expect(UnsupportedVersionError, base, bytes(bumped), "version 2")
+    bumped[8] = 3  # format version u16 at offset 8; the header checksum is checked after the version
+    _expect(UnsupportedVersionError, base, bytes(bumped), "version 3")
 
 
 def test_trailing_bytes(pair, patch) -> None:
@@ -161,7 +161,7 @@ def test_consistent_size_lie_is_caught_by_the_frame(pair, patch) -> None:
     for h, p in records:
         if h.name == "sparse" and h.kind == RecordKind.SPARSE:
             count = h.count + 4
-            raw_len = raw_len_for(h.kind, h.coding, h.info.width, h.length, count, h.escapes, h.value_escapes)
+            raw_len = raw_len_for(dataclasses.replace(h, count=count))
             header = header.model_copy(update={"decoded_bytes": header.decoded_bytes + raw_len - h.raw_len})
             h = dataclasses.replace(h, count=count, raw_len=raw_len)
         lied.append((h, p))

@@ -486,11 +486,11 @@ def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollba
     data = encode_patch(base, new)
     real = apply.decode_record
 
-    def slow_or_failing(h: Any, payload: Any) -> Any:
+    def slow_or_failing(h: Any, payload: Any, *context: Any) -> Any:
         if h.name == "t01":
             raise CorruptPatchError("injected: record for t01 does not decode")
         time.sleep(0.05)  # the others are still running when t01 fails
-        return real(h, payload)
+        return real(h, payload, *context)
 
     monkeypatch.setattr(apply, "decode_record", slow_or_failing)
     state, undo = clone_state(base), UndoLog()

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from pulsesync.codec import bits, fused
-from pulsesync.codec.format import RecordHeader, RecordKind
+from pulsesync.codec.format import V2_CODINGS, RecordHeader, RecordKind, ValueCoding
+from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record
 from pulsesync.digest import StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
 from pulsesync.dtypes import describe
-from pulsesync.errors import CorruptPatchError, IntegrityError
+from pulsesync.errors import CorruptPatchError, IntegrityError, MissingReferenceError
 from pulsesync.threads import parallel_map, submit_beside
 
 
@@ -70,8 +71,12 @@ def apply_record(
     state: MutableMapping[str, torch.Tensor],
     device: torch.device | None = None,
     undo: UndoLog | None = None,
+    history: PatchHistory | None = None,
 ) -> None:
-    """Apply one decoded record to `state` in place (a non-contiguous target is first replaced by a contiguous copy)."""
+    """Apply one decoded record to `state` in place (a non-contiguous target is first replaced by a contiguous copy).
+
+    With `history`, a SPARSE or HISTORY record adds its chunk's positions and deltas to it.
+    """
     h = record.header
     check_target(h, state)
     if undo is not None and (h.kind in (RecordKind.ADD, RecordKind.REPLACE, RecordKind.REMOVE)):
@@ -93,9 +98,17 @@ def apply_record(
                 undo.tensors.append((h.name, tensor))
             state[h.name] = tensor = tensor.contiguous()
         chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
+        key = (h.name, h.start, h.length)
+        if h.coding in V2_CODINGS:
+            _apply_deltas(record, chunk, undo, history)
+            return
         coded_values = record.values
         if record.packed is not None:
             assert record.positions is not None
+            packed, escapes = record.packed
+            if history is not None:
+                deltas = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
+                history.chunks[key] = ChunkHistory(record.positions, deltas)
             if chunk.device.type == "cpu" and fused.apply_delta_2byte is not None:
                 old = np.empty(record.positions.size, np.int16)
                 fused.apply_delta_2byte(chunk.detach().numpy(), record.positions, *record.packed, old)
@@ -103,7 +116,6 @@ def apply_record(
                     index = torch.from_numpy(record.positions)
                     undo.chunks.append((h.name, h.start, h.length, index, torch.from_numpy(old)))
                 return
-            packed, escapes = record.packed
             coded_values = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
         assert coded_values is not None
         coded = torch.from_numpy(coded_values).to(chunk.device)
@@ -115,9 +127,39 @@ def apply_record(
             assert record.positions is not None
             index = torch.from_numpy(record.positions).to(chunk.device)
             values = chunk.index_select(0, index)
+            old_values = values.clone() if undo is not None or history is not None else values
             if undo is not None:
-                undo.chunks.append((h.name, h.start, h.length, index, values.clone()))
-            chunk.index_copy_(0, index, bits.decode_values_(values, coded, h.info, h.coding))
+                undo.chunks.append((h.name, h.start, h.length, index, old_values))
+            new_values = bits.decode_values_(values, coded, h.info, h.coding)
+            chunk.index_copy_(0, index, new_values)
+            if history is not None:
+                ordered_deltas = bits.encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
+                history.chunks[key] = ChunkHistory(record.positions, _host(ordered_deltas))
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+
+
+def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None, history: PatchHistory | None) -> None:
+    """Apply a format-2 SPARSE or HISTORY record: signed ordered deltas at positions."""
+    h = record.header
+    assert record.positions is not None and record.values is not None
+    index = torch.from_numpy(record.positions).to(chunk.device)
+    old = chunk.index_select(0, index)
+    deltas = record.values
+    if h.coding == ValueCoding.EXP_PLANES:  # stored sorted by the old values' magnitude class
+        in_order = np.empty_like(deltas)
+        in_order[bits.magnitude_order(_host(old))] = deltas
+        deltas = in_order
+    if record.ref_deltas is not None:
+        deltas = bits.wrapping_add(deltas, record.ref_deltas)
+    if undo is not None:
+        undo.chunks.append((h.name, h.start, h.length, index, old.clone()))
+    coded = torch.from_numpy(deltas).to(chunk.device)
+    chunk.index_copy_(0, index, bits.decode_values_(old, coded, h.info, ValueCoding.DELTA))
+    if history is not None:
+        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(record.positions, deltas)
 
 
 def _kept(base: StateDigest, state: MutableMapping[str, torch.Tensor], name: str) -> TensorDigest:
@@ -141,7 +183,7 @@ def check_target(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> N
         return
     if not present:
         raise CorruptPatchError(f"record {h.kind.name} targets tensor {h.name!r}, which the state lacks")
-    if h.kind in (RecordKind.SPARSE, RecordKind.DENSE):
+    if h.kind in (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY):
         t = state[h.name]
         if t.dtype != h.info.torch_dtype or tuple(t.shape) != h.shape:
             raise CorruptPatchError(
@@ -158,6 +200,8 @@ def apply_patch(
     threads: int | None = 1,
     max_decoded_bytes: int | None = None,
     undo: UndoLog | None = None,
+    reference: PatchHistory | None = None,
+    history: PatchHistory | None = None,
 ) -> StateDigest | None:
     """Apply a patch to `state` in place; bit-exact. Returns the new state's digest if verified.
 
@@ -169,6 +213,9 @@ def apply_patch(
     to a working copy and discard it. Records decode on one thread by default: their many small
     array operations contend for the GIL, so more threads were slower on every machine measured
     (docs/benchmarks.md).
+
+    A history-coded patch needs `reference`, the history of the patch named in its header
+    (MissingReferenceError otherwise). Pass an empty `history` to collect this patch's own.
     """
     parser = PatchDecoder(max_decoded_bytes)
     raw_records = parser.split(patch)
@@ -180,18 +227,27 @@ def apply_patch(
             f"patch was made against state digest {header.base_digest}, "
             f"but the state to patch has {current.algorithm} digest {current.root}"
         )
+    if header.reference_sha256 is not None and (reference is None or reference.sha256 != header.reference_sha256):
+        held = "none" if reference is None else f"patch {reference.sha256[:16]}..."
+        raise MissingReferenceError(
+            f"patch is history-coded against patch {header.reference_sha256[:16]}..., the reference held is {held}"
+        )
+    chunk_kinds = (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY)
     for h, _ in raw_records:
         check_target(h, state)
-        tensor = state[h.name] if h.kind in (RecordKind.SPARSE, RecordKind.DENSE) else None
+        tensor = state[h.name] if h.kind in chunk_kinds else None
         if tensor is not None and not tensor.is_contiguous():
             if undo is not None:
                 undo.tensors.append((h.name, tensor))
             state[h.name] = tensor.contiguous()
 
+    references = reference.chunks if reference is not None else {}
+
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> PatchRecord | None:
-        record = decode_record(*item)
-        if item[0].kind in (RecordKind.SPARSE, RecordKind.DENSE):
-            apply_record(record, state, undo=undo)  # disjoint chunks: safe to write concurrently
+        h = item[0]
+        record = decode_record(*item, parser.version, references.get((h.name, h.start, h.length)))
+        if h.kind in chunk_kinds:
+            apply_record(record, state, undo=undo, history=history)  # disjoint chunks: safe to write concurrently
             return None
         return record
 

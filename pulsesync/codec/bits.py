@@ -257,3 +257,32 @@ def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length
     if positions.size and int(positions[-1]) >= length:
         raise CorruptPatchError(f"{where}: position {int(positions[-1])} is outside the chunk of {length}")
     return positions
+
+
+def magnitude_class(old: np.ndarray) -> np.ndarray:
+    """The 8 bits below the sign of each value (a float's exponent, for bf16 exactly), as uint8.
+
+    EXP_PLANES stores values sorted by this class of the old value: one AdamW step moves a weight
+    by about lr / ULP(w) ULPs, so values of one class have similar deltas and compress together.
+    """
+    shift = np.array(8 * old.itemsize - 9, old.dtype)
+    classes: np.ndarray = ((old >> shift) & np.array(0xFF, old.dtype)).astype(np.uint8)
+    return classes
+
+
+def magnitude_order(old: np.ndarray) -> np.ndarray:
+    """The stable permutation that sorts values by magnitude_class of their old values."""
+    order: np.ndarray = np.argsort(magnitude_class(old), kind="stable")
+    return order
+
+
+def wrapping_add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a + b modulo 2**bits (numpy integer addition wraps; same dtype)."""
+    out: np.ndarray = a + b.view(a.dtype)
+    return out
+
+
+def wrapping_sub(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a - b modulo 2**bits."""
+    out: np.ndarray = a - b.view(a.dtype)
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,6 +23,7 @@ from pulsesync.codec.format import (
     payload_hash,
     raw_len_for,
 )
+from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.params import CodecParams
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import DTypeInfo, State, dtype_info, flat_bits
@@ -45,20 +47,32 @@ class _Record:
     data: bytes
     changed: int
     raw_len: int
+    history: tuple[ChunkKey, ChunkHistory] | None = None
 
 
-def _record(params: CodecParams, head: RecordHeader, parts: list[bytes]) -> _Record:
-    """Compress a record's payload parts and prepend its header (sizes and payload hash filled in)."""
-    raw_len = raw_len_for(
-        head.kind, head.coding, head.info.width, head.length, head.count, head.escapes, head.value_escapes
-    )
+@dataclass(frozen=True)
+class EncodedPatch:
+    """A patch and what it changed (the reference the next patch may be history-coded against)."""
+
+    data: bytes
+    history: PatchHistory
+
+
+def _compress(params: CodecParams, parts: list[bytes]) -> bytes:
+    raw_len = sum(len(p) for p in parts)
+    if not raw_len:
+        return b""
+    stream = _compressor(params.zstd_level).compressobj(size=raw_len)
+    return b"".join([stream.compress(p) for p in parts] + [stream.flush()])
+
+
+def _record(params: CodecParams, head: RecordHeader, parts: list[bytes], payload: bytes | None = None) -> _Record:
+    """Compress a record's payload parts (unless given) and prepend its header (sizes and payload hash filled in)."""
+    raw_len = raw_len_for(head)
     assert raw_len == sum(len(p) for p in parts)
-    payload = b""
-    if raw_len:
-        stream = _compressor(params.zstd_level).compressobj(size=raw_len)
-        payload = b"".join([stream.compress(p) for p in parts] + [stream.flush()])
+    payload = _compress(params, parts) if payload is None else payload
     head = replace(head, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
-    return _Record(encode_record_header(head) + payload, head.count, raw_len)
+    return _Record(encode_record_header(head, params.format_version) + payload, head.count, raw_len)
 
 
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
@@ -72,35 +86,122 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    name: str
+    info: DTypeInfo
+    shape: tuple[int, ...]
+    start: int
+    old: torch.Tensor
+    new: torch.Tensor
+
+    @property
+    def key(self) -> ChunkKey:
+        return (self.name, self.start, self.old.numel())
+
+
 def _encode_chunk(
-    params: CodecParams,
-    name: str,
-    info: DTypeInfo,
-    shape: tuple[int, ...],
-    old: torch.Tensor,
-    new: torch.Tensor,
-    start: int,
+    params: CodecParams, chunk: _Chunk, reference: ChunkHistory | None, standalone: bool
 ) -> _Record | None:
-    """SPARSE or DENSE record for one chunk of flat bits, or None when it is unchanged."""
+    """SPARSE, HISTORY or DENSE record for one chunk of flat bits, or None when it is unchanged."""
+    old, new, info = chunk.old, chunk.new, chunk.info
     positions = _changed_positions(old, new)
     count, length = positions.size, old.numel()
     if count == 0:
         return None
     coding = params.coding
-    if count * (2 + info.width) < length * info.width:
-        index = torch.from_numpy(positions).to(old.device)
-        coded = _host(bits.encode_values(old.index_select(0, index), new.index_select(0, index), info, coding))
-        gaps, escapes = bits.encode_positions(positions)
+    fields = (chunk.name, info, chunk.shape)
+    if count * (2 + info.width) >= length * info.width:
+        return _encode_dense(params, chunk, count)
+    index = torch.from_numpy(positions).to(old.device)
+    old_values, new_values = old.index_select(0, index), new.index_select(0, index)
+    gaps, escapes = bits.encode_positions(positions)
+    position_parts = [bits.to_planes(gaps), escapes.astype("<u8").tobytes()]
+    if not params.adaptive:
+        coded = _host(bits.encode_values(old_values, new_values, info, coding))
         value_parts, value_escapes = _value_parts(coded, coding, offset=1)
-        parts = [bits.to_planes(gaps), escapes.astype("<u8").tobytes(), *value_parts]
-        head = RecordHeader(
-            RecordKind.SPARSE, name, info, shape, coding, start, length, count, escapes.size, value_escapes
+        head = RecordHeader(RecordKind.SPARSE, *fields, coding, chunk.start, length, count, escapes.size, value_escapes)
+        return _record(params, head, position_parts + value_parts)
+    deltas = _host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
+    history = (chunk.key, ChunkHistory(positions, deltas))
+    zigzags = bits.zigzag(deltas)
+    order = bits.magnitude_order(_host(old_values)) if info.is_float and not standalone else None
+    packed_parts, value_escapes = _value_parts(deltas, ValueCoding.DELTA, offset=1)
+    sparse = RecordHeader(RecordKind.SPARSE, *fields, ValueCoding.DELTA, chunk.start, length, count, escapes.size)
+    candidates = [
+        (replace(sparse, value_escapes=value_escapes), position_parts + packed_parts),
+        (replace(sparse, coding=ValueCoding.PLANES), [*position_parts, bits.to_planes(zigzags)]),
+        (replace(sparse, coding=ValueCoding.RAW), [*position_parts, bits.to_planes(_host(new_values))]),
+    ]
+    if order is not None:
+        candidates.append(
+            (replace(sparse, coding=ValueCoding.EXP_PLANES), [*position_parts, bits.to_planes(zigzags[order])])
         )
-        return _record(params, head, parts)
-    # Dense beats sparse before compression: code every element (unchanged ones code to zero).
-    value_parts, value_escapes = _value_parts(_host(bits.encode_values(old, new, info, coding)), coding, offset=0)
-    head = RecordHeader(RecordKind.DENSE, name, info, shape, coding, start, length, count, value_escapes=value_escapes)
-    return _record(params, head, value_parts)
+    if reference is not None and not standalone and reference.deltas.dtype == deltas.dtype:
+        candidates += _history_candidates(sparse, positions, deltas, reference, order)
+    best: tuple[int, RecordHeader, list[bytes], bytes] | None = None
+    for head, parts in candidates:
+        payload = _compress(params, parts)
+        if best is None or len(payload) < best[0]:
+            best = (len(payload), head, parts, payload)
+    assert best is not None
+    return replace(_record(params, best[1], best[2], best[3]), history=history)
+
+
+def _history_candidates(
+    sparse: RecordHeader, positions: np.ndarray, deltas: np.ndarray, reference: ChunkHistory, order: np.ndarray | None
+) -> list[tuple[RecordHeader, list[bytes]]]:
+    """HISTORY records: which reference positions changed again (a bitmap), gaps of the new ones, and
+    each value as the difference to its reference delta (0 where new)."""
+    ref_positions = reference.positions
+    at = np.minimum(np.searchsorted(ref_positions, positions), max(ref_positions.size - 1, 0))
+    recurring = ref_positions[at] == positions if ref_positions.size else np.zeros(positions.size, bool)
+    again = np.zeros(ref_positions.size, bool)
+    again[at[recurring]] = True
+    ref_deltas = np.zeros_like(deltas)
+    ref_deltas[recurring] = reference.deltas[at[recurring]]
+    residuals = bits.zigzag(bits.wrapping_sub(deltas, ref_deltas))
+    fresh = positions[~recurring]
+    gaps, escapes = bits.encode_positions(fresh)
+    head = replace(
+        sparse,
+        kind=RecordKind.HISTORY,
+        coding=ValueCoding.PLANES,
+        escapes=escapes.size,
+        ref_count=ref_positions.size,
+        new_count=fresh.size,
+    )
+    parts = [np.packbits(again, bitorder="little").tobytes(), bits.to_planes(gaps), escapes.astype("<u8").tobytes()]
+    out = [(head, [*parts, bits.to_planes(residuals)])]
+    if order is not None:
+        out.append((replace(head, coding=ValueCoding.EXP_PLANES), [*parts, bits.to_planes(residuals[order])]))
+    return out
+
+
+def _encode_dense(params: CodecParams, chunk: _Chunk, count: int) -> _Record:
+    """DENSE record: every element coded (unchanged ones code to zero); adaptive: the smaller of DELTA and RAW."""
+    info, length = chunk.info, chunk.old.numel()
+    codings = [params.coding] if not params.adaptive else [ValueCoding.DELTA, ValueCoding.RAW]
+    best: _Record | None = None
+    for coding in codings:
+        coded = _host(bits.encode_values(chunk.old, chunk.new, info, coding))
+        value_parts, value_escapes = _value_parts(coded, coding, offset=0)
+        head = RecordHeader(
+            RecordKind.DENSE,
+            chunk.name,
+            info,
+            chunk.shape,
+            coding,
+            chunk.start,
+            length,
+            count,
+            value_escapes=value_escapes,
+        )
+        record = _record(params, head, value_parts)
+        if best is None or len(record.data) < len(best.data):
+            best = record
+    assert best is not None
+    return best
 
 
 def _value_parts(coded: np.ndarray, coding: ValueCoding, offset: int) -> tuple[list[bytes], int]:
@@ -128,9 +229,28 @@ def encode_patch(
     base_digest: StateDigest | None = None,
     new_digest: StateDigest | None = None,
 ) -> bytes:
-    """Lossless patch turning `base` into `new`; tensors may live on any device.
+    """Lossless, self-contained patch turning `base` into `new`; tensors may live on any device.
 
     Pass the states' digests when already known (the publisher has them) to skip hashing.
+    """
+    return encode(base, new, params, base_digest=base_digest, new_digest=new_digest).data
+
+
+def encode(
+    base: State,
+    new: State,
+    params: CodecParams | None = None,
+    *,
+    base_digest: StateDigest | None = None,
+    new_digest: StateDigest | None = None,
+    reference: PatchHistory | None = None,
+    standalone: bool = False,
+) -> EncodedPatch:
+    """Lossless patch turning `base` into `new`, and its history.
+
+    With `reference` (the history of the patch that produced `base`), a record may be
+    history-coded against it where that is smaller. `standalone` keeps to codings a reader
+    decodes without the base state (the patch at an anchor step: `history.patch_history`).
     """
     params = params or CodecParams()
     base_digest = base_digest or state_digest(base, params.digest_algorithm, params.threads)
@@ -144,15 +264,17 @@ def encode_patch(
     tasks: list[Callable[[], _Record | None]] = []
     for name in sorted(set(base) | set(new)):
         if name not in new:
-            tasks.append(partial(_removal, name))
+            tasks.append(partial(_removal, params, name))
         elif name not in base:
             tasks.append(partial(_encode_whole, params, RecordKind.ADD, name, new[name]))
         elif base[name].dtype != new[name].dtype or base[name].shape != new[name].shape:
             tasks.append(partial(_encode_whole, params, RecordKind.REPLACE, name, new[name]))
         else:
-            tasks.extend(_chunk_tasks(params, name, base[name], new[name]))
+            tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference, standalone))
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
+    version = params.format_version
+    uses_reference = reference is not None and not standalone and params.adaptive
     header = PatchHeader(
         value_coding=params.value_coding,
         zstd_level=params.zstd_level,
@@ -164,24 +286,31 @@ def encode_patch(
         decoded_bytes=sum(r.raw_len for r in records),
         changed_elements=sum(r.changed for r in records),
         dense_bytes=sum(t.numel() * t.element_size() for t in new.values()),
+        reference_sha256=reference.sha256 if uses_reference and reference is not None else None,
     )
-    end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)))
-    return b"".join([encode_header(header), *(r.data for r in records), end])
+    end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)), version)
+    data = b"".join([encode_header(header, version), *(r.data for r in records), end])
+    history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
+    return EncodedPatch(data, history)
 
 
-def _removal(name: str) -> _Record:
-    return _Record(encode_record_header(RecordHeader(RecordKind.REMOVE, name, None)), 0, 0)
+def _removal(params: CodecParams, name: str) -> _Record:
+    return _Record(encode_record_header(RecordHeader(RecordKind.REMOVE, name, None), params.format_version), 0, 0)
 
 
 def _chunk_tasks(
-    params: CodecParams, name: str, old_t: torch.Tensor, new_t: torch.Tensor
+    params: CodecParams,
+    name: str,
+    old_t: torch.Tensor,
+    new_t: torch.Tensor,
+    reference: PatchHistory | None,
+    standalone: bool,
 ) -> list[Callable[[], _Record | None]]:
     if old_t.device != new_t.device:
         new_t = new_t.to(old_t.device)
     info = dtype_info(old_t.dtype)
     old, new = flat_bits(old_t), flat_bits(new_t)
     shape, step = tuple(old_t.shape), params.chunk_elements
-    return [
-        partial(_encode_chunk, params, name, info, shape, old[s : s + step], new[s : s + step], s)
-        for s in range(0, old.numel(), step)
-    ]
+    chunks = [_Chunk(name, info, shape, s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)]
+    refs = reference.chunks if reference is not None and params.adaptive else {}
+    return [partial(_encode_chunk, params, c, refs.get(c.key), standalone) for c in chunks]

@@ -24,12 +24,16 @@ from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
 
 MAGIC = b"PULSEPT\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
+SUPPORTED_VERSIONS = (1, 2)
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_CHECKSUM = struct.Struct("<Q")
 RECORD_MAGIC = b"PR"
 # magic kind dtype ndim coding name_len start length count escapes value_escapes raw_len comp_len payload_hash
-RECORD_FIXED = struct.Struct("<2sBBBBHQQQQQQQQ")
+RECORD_FIXED_V1 = struct.Struct("<2sBBBBHQQQQQQQQ")
+# version 2 appends ref_count new_count (HISTORY records; zero in every other kind)
+RECORD_FIXED_V2 = struct.Struct("<2sBBBBHQQQQQQQQQQ")
+RECORD_FIXED = {1: RECORD_FIXED_V1, 2: RECORD_FIXED_V2}
 RECORD_CHECKSUM = struct.Struct("<I")
 
 # Sanity limits: generous for any real model, small enough that a lying header cannot make the
@@ -51,6 +55,7 @@ class RecordKind(enum.IntEnum):
     ADD = 3  # a tensor absent from the base: dtype, shape, raw values
     REPLACE = 4  # a tensor whose dtype or shape changed: new dtype, shape, raw values
     REMOVE = 5  # a tensor absent from the new state
+    HISTORY = 6  # (v2) changed positions and values coded against the reference patch's same chunk
 
 
 class ValueCoding(enum.IntEnum):
@@ -59,11 +64,24 @@ class ValueCoding(enum.IntEnum):
     RAW = 0  # the new bit patterns themselves (what the PULSE paper stores), in byte planes
     DELTA = 1  # zigzag of the difference of order-preserving bit patterns (one ULP = 1), packed
     XOR = 2  # new bits XOR old bits, packed
+    PLANES = 3  # (v2) zigzag of the ordered difference, full width, in byte planes
+    EXP_PLANES = 4  # (v2, floats) as PLANES, the values sorted (stably) by the old value's top magnitude byte
 
     @property
     def packed(self) -> bool:
         """Small-integer codings are stored as 2-bit codes plus escaped full values."""
-        return self != ValueCoding.RAW
+        return self in (ValueCoding.DELTA, ValueCoding.XOR)
+
+    @property
+    def zigzag_delta(self) -> bool:
+        """The stored values are zigzags of ordered differences (the decoder adds them to the old values)."""
+        return self in (ValueCoding.DELTA, ValueCoding.PLANES, ValueCoding.EXP_PLANES)
+
+
+V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
+V2_KINDS = (RecordKind.HISTORY,)
+_KIND_VALUES = frozenset(k.value for k in RecordKind)
+_CODING_VALUES = frozenset(c.value for c in ValueCoding)
 
 
 class PatchHeader(BaseModel):
@@ -81,6 +99,8 @@ class PatchHeader(BaseModel):
     decoded_bytes: int = Field(ge=0)  # sum of every record's raw_len: the decoder's allocation bound
     changed_elements: int = Field(ge=0)
     dense_bytes: int = Field(ge=0)  # bytes of the resulting state, dense
+    # v2: SHA-256 of the patch whose records HISTORY records are coded against (None: no HISTORY records)
+    reference_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,8 @@ class RecordHeader:
     raw_len: int = 0
     comp_len: int = 0
     payload_hash: int = 0  # xxh3-64 of the compressed payload
+    ref_count: int = 0  # HISTORY: changed positions of the reference's chunk (bits of the "again" bitmap)
+    new_count: int = 0  # HISTORY: changed positions not in the reference (coded as gaps)
 
     @property
     def info(self) -> DTypeInfo:
@@ -117,17 +139,18 @@ class RecordHeader:
         return n
 
 
-def encode_header(header: PatchHeader) -> bytes:
+def encode_header(header: PatchHeader, version: int = FORMAT_VERSION) -> bytes:
     """Preamble, canonical JSON header and its checksum."""
-    body = json.dumps(header.model_dump(), sort_keys=True, separators=(",", ":")).encode()
-    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+    fields = header.model_dump(exclude={"reference_sha256"} if version == 1 else set())
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    head = PREAMBLE.pack(MAGIC, version, 0, len(body)) + body
     return head + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int] | None:
+def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int, int] | None:
     """Parse the patch header from the start of buf; None if more bytes are needed.
 
-    Returns the header and the number of bytes it occupies.
+    Returns the header, the number of bytes it occupies and the format version.
     """
     if len(buf) < PREAMBLE.size:
         if bytes(buf[: len(MAGIC)]) != MAGIC[: len(buf)]:
@@ -136,9 +159,9 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int]
     magic, version, _flags, header_len = PREAMBLE.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptPatchError("not a pulsesync patch: bad magic bytes")
-    if version != FORMAT_VERSION:
+    if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(
-            f"patch format version {version} is not supported (this pulsesync reads {FORMAT_VERSION})"
+            f"patch format version {version} is not supported (this pulsesync reads {SUPPORTED_VERSIONS})"
         )
     if header_len > MAX_HEADER_BYTES:
         raise CorruptPatchError(f"patch header declares {header_len} bytes (limit {MAX_HEADER_BYTES})")
@@ -153,7 +176,9 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int]
         header = PatchHeader.model_validate_json(bytes(buf[PREAMBLE.size : end]))
     except ValidationError as e:
         raise CorruptPatchError(f"patch header is invalid: {e.errors()[0]['msg']}") from None
-    return header, total
+    if version == 1 and header.reference_sha256 is not None:
+        raise CorruptPatchError("patch header is invalid: a version 1 patch names a reference")
+    return header, total, version
 
 
 def values_len(coding: ValueCoding, width: int, n: int, value_escapes: int) -> int:
@@ -161,21 +186,23 @@ def values_len(coding: ValueCoding, width: int, n: int, value_escapes: int) -> i
     return (n + 3) // 4 + width * value_escapes if coding.packed else width * n
 
 
-def raw_len_for(
-    kind: RecordKind, coding: ValueCoding, width: int, length: int, count: int, escapes: int, value_escapes: int
-) -> int:
+def raw_len_for(h: RecordHeader) -> int:
     """Exact decompressed payload size a record's fields imply."""
+    kind, coding, width, count = h.kind, h.coding, h.info.width if h.dtype else 0, h.count
     if kind == RecordKind.SPARSE:
-        return 2 * count + 8 * escapes + values_len(coding, width, count, value_escapes)
+        return 2 * count + 8 * h.escapes + values_len(coding, width, count, h.value_escapes)
+    if kind == RecordKind.HISTORY:
+        return (h.ref_count + 7) // 8 + 2 * h.new_count + 8 * h.escapes + width * count
     if kind in (RecordKind.DENSE, RecordKind.ADD, RecordKind.REPLACE):
-        return values_len(coding, width, length, value_escapes)
+        return values_len(coding, width, h.length, h.value_escapes)
     return 0
 
 
-def encode_record_header(h: RecordHeader) -> bytes:
+def encode_record_header(h: RecordHeader, version: int = FORMAT_VERSION) -> bytes:
     """Fixed fields, name, shape and checksum of one record."""
     name_bytes = h.name.encode("utf-8")
-    fixed = RECORD_FIXED.pack(
+    extra = (h.ref_count, h.new_count) if version >= 2 else ()
+    fixed = RECORD_FIXED[version].pack(
         RECORD_MAGIC,
         h.kind,
         h.dtype.code if h.dtype else 0,
@@ -190,6 +217,7 @@ def encode_record_header(h: RecordHeader) -> bytes:
         h.raw_len,
         h.comp_len,
         h.payload_hash,
+        *extra,
     )
     body = fixed + name_bytes + struct.pack(f"<{len(h.shape)}Q", *h.shape)
     return body + RECORD_CHECKSUM.pack(xxhash.xxh32_intdigest(body))
@@ -200,38 +228,40 @@ def payload_hash(payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload) if len(payload) else 0
 
 
-def parse_record_header(buf: bytes | bytearray | memoryview, offset: int) -> tuple[RecordHeader, int] | None:
+def parse_record_header(
+    buf: bytes | bytearray | memoryview, offset: int, version: int = FORMAT_VERSION
+) -> tuple[RecordHeader, int] | None:
     """Parse and validate the record header at offset; None if more bytes are needed.
 
     Returns the header and the offset where its payload starts.
     """
-    if len(buf) - offset < RECORD_FIXED.size:
+    fixed_struct = RECORD_FIXED[version]
+    if len(buf) - offset < fixed_struct.size:
         return None
-    (magic, kind, dcode, ndim, coding, name_len, *sizes) = RECORD_FIXED.unpack_from(buf, offset)
+    (magic, kind, dcode, ndim, coding, name_len, *sizes) = fixed_struct.unpack_from(buf, offset)
     where = f"record at byte {offset}"
     if magic != RECORD_MAGIC:
         raise CorruptPatchError(f"{where}: bad record magic (corrupted or misaligned patch)")
     if name_len > MAX_NAME_BYTES or ndim > MAX_NDIM:
         raise CorruptPatchError(f"{where}: name length {name_len} or ndim {ndim} out of range")
-    body_end = offset + RECORD_FIXED.size + name_len + 8 * ndim
+    body_end = offset + fixed_struct.size + name_len + 8 * ndim
     if len(buf) < body_end + RECORD_CHECKSUM.size:
         return None
     (checksum,) = RECORD_CHECKSUM.unpack_from(buf, body_end)
     if xxhash.xxh32_intdigest(bytes(buf[offset:body_end])) != checksum:
         raise CorruptPatchError(f"{where}: record header checksum mismatch (corrupted record)")
     # From here on the fields are what the encoder wrote; checks below catch lying encoders.
-    name_start = offset + RECORD_FIXED.size
+    name_start = offset + fixed_struct.size
     try:
         name = bytes(buf[name_start : name_start + name_len]).decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptPatchError(f"{where}: tensor name is not UTF-8") from None
     shape = struct.unpack_from(f"<{ndim}Q", buf, name_start + name_len)
     where = f"record for tensor {name!r}"
-    try:
-        rkind = RecordKind(kind)
-        rcoding = ValueCoding(coding)
-    except ValueError:
-        raise CorruptPatchError(f"{where}: unknown record kind {kind} or value coding {coding}") from None
+    known = kind in _KIND_VALUES and coding in _CODING_VALUES
+    if not known or (version == 1 and (kind in V2_KINDS or coding in V2_CODINGS)):
+        raise CorruptPatchError(f"{where}: unknown record kind {kind} or value coding {coding} (format {version})")
+    rkind, rcoding = RecordKind(kind), ValueCoding(coding)
     info = dtype_by_code(dcode)
     if info is None and rkind not in (RecordKind.END, RecordKind.REMOVE):
         raise CorruptPatchError(f"{where}: unknown dtype code {dcode}")
@@ -255,14 +285,26 @@ def _check_record(h: RecordHeader, where: str) -> None:
         raise CorruptPatchError(
             f"{where}: chunk [{h.start}, {h.start + h.length}) is outside the tensor of {numel} elements"
         )
-    if h.kind == RecordKind.SPARSE and not (0 < h.count <= h.length and h.escapes <= h.count):
+    if h.kind in (RecordKind.SPARSE, RecordKind.HISTORY) and not (0 < h.count <= h.length and h.escapes <= h.count):
         raise CorruptPatchError(
             f"{where}: {h.count} changed elements / {h.escapes} escapes do not fit a chunk of {h.length}"
         )
-    coded = h.count if h.kind == RecordKind.SPARSE else h.length
+    if h.kind == RecordKind.HISTORY:
+        if h.coding not in V2_CODINGS or not (h.escapes <= h.new_count <= h.count <= h.new_count + h.ref_count):
+            raise CorruptPatchError(
+                f"{where}: HISTORY record with coding {h.coding.name}, {h.count} changed, "
+                f"{h.new_count} new, {h.ref_count} reference positions, {h.escapes} escapes is inconsistent"
+            )
+        if h.ref_count > h.length:
+            raise CorruptPatchError(f"{where}: {h.ref_count} reference positions in a chunk of {h.length}")
+    elif h.ref_count or h.new_count:
+        raise CorruptPatchError(f"{where}: only HISTORY records carry reference counts")
+    if h.coding == ValueCoding.EXP_PLANES and not h.info.is_float:
+        raise CorruptPatchError(f"{where}: EXP_PLANES coding for non-float dtype {h.info.name}")
+    coded = h.count if h.kind in (RecordKind.SPARSE, RecordKind.HISTORY) else h.length
     if h.value_escapes > (coded if h.coding.packed else 0):
         raise CorruptPatchError(f"{where}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")
-    expected = raw_len_for(h.kind, h.coding, h.info.width, h.length, h.count, h.escapes, h.value_escapes)
+    expected = raw_len_for(h)
     if h.raw_len != expected:
         raise CorruptPatchError(f"{where}: declares {h.raw_len} decoded bytes, its fields imply {expected}")
     if (h.comp_len == 0) != (h.raw_len == 0):

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pulsesync.codec.format import ValueCoding
 from pulsesync.digest import DEFAULT_ALGORITHM, DigestAlgorithm
 
-ValueCodingName = Literal["delta", "raw", "xor"]
+ValueCodingName = Literal["adaptive", "delta", "raw", "xor"]
 
 
 class CodecParams(BaseModel):
@@ -17,9 +17,13 @@ class CodecParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    format_version: Literal[1, 2] = Field(
+        2, description="patch format to write: 2 (default); 1 for fleets with subscribers before 0.2"
+    )
     value_coding: ValueCodingName = Field(
-        "delta",
-        description="delta: zigzag of the ordered bit-pattern difference (smallest); "
+        "adaptive",
+        description="adaptive (format 2): per record the smallest of the codings below, PLANES, EXP_PLANES "
+        "and HISTORY (delta under format 1); delta: 2-bit codes of the ordered bit-pattern difference; "
         "raw: the new values themselves, as the PULSE paper stores them; xor: new XOR old",
     )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level; 1 is the speed/ratio sweet spot")
@@ -30,6 +34,11 @@ class CodecParams(BaseModel):
     threads: int | None = Field(None, ge=1, description="worker threads; default: every available CPU")
 
     @property
+    def adaptive(self) -> bool:
+        """Each record picks its smallest coding (format 2 only)."""
+        return self.value_coding == "adaptive" and self.format_version >= 2
+
+    @property
     def coding(self) -> ValueCoding:
-        """The value coding as its wire enum."""
-        return ValueCoding[self.value_coding.upper()]
+        """The fixed value coding as its wire enum (adaptive under format 1: DELTA)."""
+        return ValueCoding.DELTA if self.value_coding == "adaptive" else ValueCoding[self.value_coding.upper()]

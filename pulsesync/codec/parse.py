@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zstandard
 
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import (
+    FORMAT_VERSION,
+    V2_CODINGS,
     PatchHeader,
     RecordHeader,
     RecordKind,
@@ -24,6 +27,9 @@ from pulsesync.codec.format import (
     payload_hash,
 )
 from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH
+
+if TYPE_CHECKING:
+    from pulsesync.codec.history import ChunkHistory
 from pulsesync.errors import CorruptPatchError
 
 _local = threading.local()
@@ -47,6 +53,9 @@ class PatchRecord:
     # SPARSE delta records of 2-byte floats: the packed value codes and escapes, left for the
     # fused kernel (values is None; they are decoded here only for a target off the CPU).
     packed: tuple[np.ndarray, np.ndarray] | None = None
+    # HISTORY records: each position's delta in the reference patch (0 where it is new), added to
+    # the decoded residuals once they are back in position order.
+    ref_deltas: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -54,8 +63,13 @@ class PatchRecord:
         return self.header.name
 
 
-def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
-    """Decompress and unpack one record's payload (sizes are exact or CorruptPatchError)."""
+def decode_record(
+    h: RecordHeader, payload: bytes | memoryview, version: int = FORMAT_VERSION, reference: ChunkHistory | None = None
+) -> PatchRecord:
+    """Decompress and unpack one record's payload (sizes are exact or CorruptPatchError).
+
+    A HISTORY record needs `reference`: the same chunk's changes in the patch it was coded against.
+    """
     if h.raw_len == 0:  # END/REMOVE, or an added/replaced empty tensor
         empty = np.empty(0, NP_INT_OF_WIDTH[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
         return PatchRecord(h, None, empty)
@@ -70,6 +84,8 @@ def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
     if len(raw) != h.raw_len:
         raise CorruptPatchError(f"{where}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
     buf = np.frombuffer(raw, np.uint8)
+    if h.kind == RecordKind.HISTORY:
+        return _decode_history(buf, h, reference, where)
     if h.kind != RecordKind.SPARSE:
         return PatchRecord(h, None, _decode_value_stream(buf, h, h.length, 0, where))
     n, gaps_end = h.count, 2 * h.count
@@ -84,9 +100,42 @@ def decode_record(h: RecordHeader, payload: bytes | memoryview) -> PatchRecord:
     return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where))
 
 
+def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | None, where: str) -> PatchRecord:
+    """Positions (the reference's that changed again, merged with new ones) and residual values of a HISTORY record."""
+    if reference is None or reference.positions.size != h.ref_count:
+        held = "none" if reference is None else f"{reference.positions.size} positions"
+        raise CorruptPatchError(f"{where}: coded against {h.ref_count} reference positions, the reference holds {held}")
+    bitmap_len = (h.ref_count + 7) // 8
+    again = np.unpackbits(buf[:bitmap_len], count=bitmap_len * 8, bitorder="little").view(bool)
+    if again[h.ref_count :].any() or int(np.count_nonzero(again)) != h.count - h.new_count:
+        raise CorruptPatchError(f"{where}: the reference bitmap does not mark {h.count - h.new_count} positions")
+    again = again[: h.ref_count]
+    gaps_end = bitmap_len + 2 * h.new_count
+    escapes_end = gaps_end + 8 * h.escapes
+    fresh = bits.decode_positions(
+        buf[bitmap_len:gaps_end], h.new_count, buf[gaps_end:escapes_end].view("<u8"), h.length, where
+    )
+    positions = np.concatenate([reference.positions[again], fresh])
+    order = np.argsort(positions, kind="stable")
+    positions = positions[order]
+    if positions.size > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise CorruptPatchError(f"{where}: a new position repeats one of the reference's")
+    ref_deltas = np.concatenate([reference.deltas[again], np.zeros(h.new_count, reference.deltas.dtype)])[order]
+    if ref_deltas.dtype != NP_INT_OF_WIDTH[h.info.width]:
+        raise CorruptPatchError(f"{where}: the reference chunk holds {ref_deltas.dtype} deltas for {h.info.name}")
+    return PatchRecord(
+        h, positions, _decode_value_stream(buf[escapes_end:], h, h.count, 0, where), ref_deltas=ref_deltas
+    )
+
+
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
-    """n coded values (signed ints of the dtype's width) from byte planes or packed codes."""
+    """n coded values (signed ints of the dtype's width) from byte planes or packed codes.
+
+    PLANES and EXP_PLANES values come back as signed deltas (unzigzagged), in stored order.
+    """
     np_int = NP_INT_OF_WIDTH[h.info.width]
+    if h.coding in V2_CODINGS:
+        return bits.unzigzag(bits.from_planes(buf, n, NP_UINT_OF_WIDTH[h.info.width]), np_int)
     if not h.coding.packed:
         return bits.from_planes(buf, n, np_int)
     packed_len = (n + 3) // 4
@@ -111,11 +160,12 @@ class PatchDecoder:
         self._decoded = 0
         self._last: tuple[str, int] | None = None  # (name, end) of the previous record
         self._whole: str | None = None  # name of the previous whole-tensor record
+        self.version = FORMAT_VERSION  # of the patch being parsed, once its header is in
         self.done = False
 
     def feed(self, data: bytes | memoryview) -> list[PatchRecord]:
         """Consume bytes; return the records they complete, decoded."""
-        return [decode_record(h, p) for h, p in self.split(data)]
+        return [decode_record(h, p, self.version) for h, p in self.split(data)]
 
     def split(self, data: bytes | memoryview) -> list[tuple[RecordHeader, memoryview]]:
         """Consume bytes; return the records they complete as (header, compressed payload)."""
@@ -130,13 +180,13 @@ class PatchDecoder:
                 parsed = parse_header(view)
                 if parsed is None:
                     return out
-                self.header, offset = parsed
+                self.header, offset, self.version = parsed
                 if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
                     raise CorruptPatchError(
                         f"patch declares {self.header.decoded_bytes} decoded bytes, above the limit {self._max_decoded}"
                     )
             while not self.done:
-                parsed_record = parse_record_header(view, offset)
+                parsed_record = parse_record_header(view, offset, self.version)
                 if parsed_record is None:
                     break
                 h, payload_start = parsed_record
@@ -159,6 +209,8 @@ class PatchDecoder:
     def _admit(self, h: RecordHeader) -> None:
         """Check a record against the header's totals and the records before it."""
         assert self.header is not None
+        if h.kind == RecordKind.HISTORY and self.header.reference_sha256 is None:
+            raise CorruptPatchError(f"record for tensor {h.name!r} is history-coded, the patch names no reference")
         if h.kind == RecordKind.END:
             if h.count != self._records or self._records != self.header.records:
                 raise CorruptPatchError(
