@@ -5,14 +5,18 @@ byte layout (docs/patch-format.md), `bits` the position and value coding, `fused
 """
 
 from pulsesync.codec.apply import UndoLog, apply_patch, apply_record
-from pulsesync.codec.encoder import encode_patch
+from pulsesync.codec.encoder import EncodedPatch, encode, encode_patch
 from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, RecordKind, ValueCoding
+from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.codec.params import CodecParams
 from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record, read_header
 
 __all__ = [
     "FORMAT_VERSION",
+    "ChunkHistory",
     "CodecParams",
+    "EncodedPatch",
+    "PatchHistory",
     "PatchDecoder",
     "PatchHeader",
     "PatchRecord",
@@ -23,6 +27,7 @@ __all__ = [
     "apply_patch",
     "apply_record",
     "decode_record",
+    "encode",
     "encode_patch",
     "read_header",
 ]

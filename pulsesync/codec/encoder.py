@@ -100,9 +100,7 @@ class _Chunk:
         return (self.name, self.start, self.old.numel())
 
 
-def _encode_chunk(
-    params: CodecParams, chunk: _Chunk, reference: ChunkHistory | None, standalone: bool
-) -> _Record | None:
+def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | None) -> _Record | None:
     """SPARSE, HISTORY or DENSE record for one chunk of flat bits, or None when it is unchanged."""
     old, new, info = chunk.old, chunk.new, chunk.info
     positions = _changed_positions(old, new)
@@ -125,7 +123,7 @@ def _encode_chunk(
     deltas = _host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
     history = (chunk.key, ChunkHistory(positions, deltas))
     zigzags = bits.zigzag(deltas)
-    order = bits.magnitude_order(_host(old_values)) if info.is_float and not standalone else None
+    order = bits.magnitude_order(_host(old_values)) if info.is_float and info.width >= 2 else None
     packed_parts, value_escapes = _value_parts(deltas, ValueCoding.DELTA, offset=1)
     sparse = RecordHeader(RecordKind.SPARSE, *fields, ValueCoding.DELTA, chunk.start, length, count, escapes.size)
     candidates = [
@@ -137,7 +135,7 @@ def _encode_chunk(
         candidates.append(
             (replace(sparse, coding=ValueCoding.EXP_PLANES), [*position_parts, bits.to_planes(zigzags[order])])
         )
-    if reference is not None and not standalone and reference.deltas.dtype == deltas.dtype:
+    if reference is not None and reference.deltas.dtype == deltas.dtype:
         candidates += _history_candidates(sparse, positions, deltas, reference, order)
     best: tuple[int, RecordHeader, list[bytes], bytes] | None = None
     for head, parts in candidates:
@@ -244,13 +242,11 @@ def encode(
     base_digest: StateDigest | None = None,
     new_digest: StateDigest | None = None,
     reference: PatchHistory | None = None,
-    standalone: bool = False,
 ) -> EncodedPatch:
     """Lossless patch turning `base` into `new`, and its history.
 
     With `reference` (the history of the patch that produced `base`), a record may be
-    history-coded against it where that is smaller. `standalone` keeps to codings a reader
-    decodes without the base state (the patch at an anchor step: `history.patch_history`).
+    history-coded against it where that is smaller (format 2, adaptive coding).
     """
     params = params or CodecParams()
     base_digest = base_digest or state_digest(base, params.digest_algorithm, params.threads)
@@ -270,11 +266,11 @@ def encode(
         elif base[name].dtype != new[name].dtype or base[name].shape != new[name].shape:
             tasks.append(partial(_encode_whole, params, RecordKind.REPLACE, name, new[name]))
         else:
-            tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference, standalone))
+            tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference))
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     version = params.format_version
-    uses_reference = reference is not None and not standalone and params.adaptive
+    uses_reference = reference is not None and params.adaptive
     header = PatchHeader(
         value_coding=params.value_coding,
         zstd_level=params.zstd_level,
@@ -304,7 +300,6 @@ def _chunk_tasks(
     old_t: torch.Tensor,
     new_t: torch.Tensor,
     reference: PatchHistory | None,
-    standalone: bool,
 ) -> list[Callable[[], _Record | None]]:
     if old_t.device != new_t.device:
         new_t = new_t.to(old_t.device)
@@ -313,4 +308,4 @@ def _chunk_tasks(
     shape, step = tuple(old_t.shape), params.chunk_elements
     chunks = [_Chunk(name, info, shape, s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)]
     refs = reference.chunks if reference is not None and params.adaptive else {}
-    return [partial(_encode_chunk, params, c, refs.get(c.key), standalone) for c in chunks]
+    return [partial(_encode_chunk, params, c, refs.get(c.key)) for c in chunks]

@@ -299,8 +299,8 @@ def _check_record(h: RecordHeader, where: str) -> None:
             raise CorruptPatchError(f"{where}: {h.ref_count} reference positions in a chunk of {h.length}")
     elif h.ref_count or h.new_count:
         raise CorruptPatchError(f"{where}: only HISTORY records carry reference counts")
-    if h.coding == ValueCoding.EXP_PLANES and not h.info.is_float:
-        raise CorruptPatchError(f"{where}: EXP_PLANES coding for non-float dtype {h.info.name}")
+    if h.coding == ValueCoding.EXP_PLANES and not (h.info.is_float and h.info.width >= 2):
+        raise CorruptPatchError(f"{where}: EXP_PLANES coding for dtype {h.info.name} (floats of 2+ bytes only)")
     coded = h.count if h.kind in (RecordKind.SPARSE, RecordKind.HISTORY) else h.length
     if h.value_escapes > (coded if h.coding.packed else 0):
         raise CorruptPatchError(f"{where}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")

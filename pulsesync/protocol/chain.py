@@ -20,9 +20,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
 
-from pulsesync.codec import UndoLog, apply_patch
+from pulsesync.codec import PatchHistory, UndoLog, apply_patch
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.errors import ForeignStreamError, IntegrityError, NotFoundError, ReplayError
+from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, ReplayError
 from pulsesync.metrics import MARKERS_REJECTED
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
 from pulsesync.protocol import layout
@@ -42,6 +42,7 @@ class Reconstruction(VerifiedState):
 
     anchor_step: int = -1
     patches_applied: int = 0
+    history: PatchHistory | None = None  # of the last patch applied: the reference of the next one
 
 
 @dataclass
@@ -241,10 +242,14 @@ class ChainClient:
         manifest: PatchManifest,
         data: bytes | None = None,
         undo: UndoLog | None = None,
+        reference: PatchHistory | None = None,
+        history: PatchHistory | None = None,
     ) -> StateDigest:
         """Apply a verified patch (its bytes fetched here unless given) in place; returns the checked new digest.
 
-        With `undo`, what the patch overwrote is logged there (also when it fails part way).
+        With `undo`, what the patch overwrote is logged there (also when it fails part way). A
+        history-coded patch needs `reference`, the history of the manifest's reference patch; an
+        empty `history` (named by this patch's SHA-256) collects this patch's own.
         """
         if digest.root != manifest.base_digest:
             raise IntegrityError(
@@ -257,8 +262,21 @@ class ChainClient:
         held_bytes = sum(t.numel() * t.element_size() for t in state.values())
         limit = held_bytes + held_bytes // 2 + DECODE_MARGIN_BYTES
         # The thread writes into `state`: a cancelled caller must not roll back before it is done.
+        if manifest.reference is not None and (reference is None or reference.sha256 != manifest.reference.sha256):
+            raise MissingReferenceError(
+                f"patch {manifest.step}: coded against {manifest.reference.key}, whose history is not held "
+                "(a restart, or a step missed)"
+            )
         new = await in_thread_to_completion(
-            apply_patch, state, data, base_digest=digest, threads=self.threads, undo=undo, max_decoded_bytes=limit
+            apply_patch,
+            state,
+            data,
+            base_digest=digest,
+            threads=self.threads,
+            undo=undo,
+            max_decoded_bytes=limit,
+            reference=reference,
+            history=history,
         )
         assert new is not None  # verify=True
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
@@ -278,8 +296,8 @@ class ChainClient:
         if len(streams := {m.stream_id for m in [anchor, *links]}) > 1:
             raise ForeignStreamError(f"{self.store.url}: the chain to step {target} mixes streams {sorted(streams)}")
         state, digest, files = await self.load_anchor(anchor)
-        digest = await self.apply_chain(state, digest, links)
-        return Reconstruction(target, state, digest, files, walk.end, len(links))
+        digest, history = await self.apply_chain(state, digest, links)
+        return Reconstruction(target, state, digest, files, walk.end, len(links), history)
 
     async def apply_chain(
         self,
@@ -288,10 +306,13 @@ class ChainClient:
         links: list[PatchManifest],
         window: int = 4,
         undo: list[UndoLog] | None = None,
-    ) -> StateDigest:
+        reference: PatchHistory | None = None,
+    ) -> tuple[StateDigest, PatchHistory | None]:
         """Apply patches in order, downloading up to `window` patches ahead of the one being applied.
 
         With `undo`, one log per patch started is appended there, so the caller can roll back.
+        `reference` is the history of the patch that produced `state` (None after an anchor).
+        Returns the new digest and the last patch's history.
         """
         fetches: dict[int, asyncio.Task[bytes]] = {}
 
@@ -307,12 +328,15 @@ class ChainClient:
                 data = await fetches.pop(i)
                 if undo is not None:
                     undo.append(UndoLog())
-                digest = await self.apply(state, digest, link, data, undo[-1] if undo is not None else None)
+                history = PatchHistory(link.objects[0].sha256)
+                log_ = undo[-1] if undo is not None else None
+                digest = await self.apply(state, digest, link, data, log_, reference, history)
+                reference = history
         finally:
             for task in fetches.values():
                 task.cancel()
             await asyncio.gather(*fetches.values(), return_exceptions=True)
-        return digest
+        return digest, reference
 
 
 def check_digest(actual: StateDigest, expected: StateDigest, what: str) -> None:

@@ -117,13 +117,19 @@ class _ManifestBase(_Strict):
             raise ValueError("object keys must be unique")
         return v
 
+    def _fields(self) -> dict[str, Any]:
+        fields = self.model_dump(mode="json")
+        if fields.get("reference", False) is None:
+            del fields["reference"]
+        return fields
+
     def signing_payload(self) -> bytes:
         """Canonical bytes the signature covers: every field but the signature."""
-        return canonical_json(self.model_dump(mode="json", exclude={"signature"}))
+        return canonical_json({k: v for k, v in self._fields().items() if k != "signature"})
 
     def to_bytes(self) -> bytes:
         """Canonical JSON of the whole manifest, as stored in the ready marker."""
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_json(self._fields())
 
     def signed(self, private_key: Ed25519PrivateKey) -> Any:
         """A copy with key_id and signature set by `private_key`."""
@@ -139,6 +145,9 @@ class PatchManifest(_ManifestBase):
     anchor_step: int = Field(ge=0)
     base_digest: str = Field(min_length=1, description="root state digest of base_step")
     codec: PatchCodec
+    # The patch whose history this one is coded against (the base step's patch), or None for a
+    # self-contained patch. Omitted from the JSON when None, so format-1 readers accept the manifest.
+    reference: ObjectRef | None = None
 
     @model_validator(mode="after")
     def _chain_order(self) -> PatchManifest:

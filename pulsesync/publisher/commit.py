@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsesync.codec import FORMAT_VERSION, CodecParams
+from pulsesync.codec import CodecParams
 from pulsesync.digest import StateDigest
 from pulsesync.errors import ConflictError
 from pulsesync.protocol import layout
@@ -33,6 +33,7 @@ def patch_manifest(
     digest: StateDigest,
     sizes: Sizes,
     params: CodecParams,
+    reference: ObjectRef | None = None,
 ) -> PatchManifest:
     """The manifest of a patch from `base` to `step`, in the chain that starts at `anchor_step`."""
     return PatchManifest(
@@ -44,8 +45,9 @@ def patch_manifest(
         state_digest=digest,
         sizes=sizes,
         created_at=utc_now(),
+        reference=reference,
         codec=PatchCodec(
-            format_version=FORMAT_VERSION,
+            format_version=params.format_version,
             value_coding=params.value_coding,
             zstd_level=params.zstd_level,
             chunk_elements=params.chunk_elements,

@@ -28,7 +28,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import metrics, state_cache
-from pulsesync.codec import encode_patch, read_header
+from pulsesync.codec import PatchHistory, encode, read_header
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import State
 from pulsesync.errors import (
@@ -41,7 +41,7 @@ from pulsesync.errors import (
 )
 from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.chain import ChainClient, Reconstruction
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
 from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
@@ -98,6 +98,10 @@ class AsyncPublisher:
         self._busy = False
         self._fatal: BaseException | None = None
         self._base: VerifiedState | None = None  # the last committed state: what every subscriber can hold
+        # What the base step's patch changed, and that patch: the reference of the next patch. None
+        # after an anchor, so a subscriber that starts from the anchor decodes its successor.
+        self._history: PatchHistory | None = None
+        self._history_ref: ObjectRef | None = None
         self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
         self._last_step = -1  # newest step accepted, ours or found in the store
         trusted = signing.trusted_keys([signing_key.public_key()])
@@ -127,6 +131,9 @@ class AsyncPublisher:
                 self._base = await resume_baseline(self._chain, ready, self.config.cache_dir, self.config.codec.threads)
                 if self._base is not None:
                     self._schedule.resume(ready)
+                if isinstance(self._base, Reconstruction) and self._base.history is not None:
+                    last_patch = await self._chain.manifest(self._base.step, "patch")
+                    self._history, self._history_ref = self._base.history, last_patch.objects[0]
         metrics.serve(self.config.metrics_port)
         self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
         if self.config.retention is not None:  # the retention worker, in this process
@@ -271,6 +278,7 @@ class AsyncPublisher:
         self._schedule.patch_committed(report.wire_bytes)
         if self._schedule.due and (self._background is None or self._background.done()):
             self._schedule.anchor_started()
+            self._history = None
             self._pool.retain(snap.state)  # released when the anchor is done
             self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest))
 
@@ -279,6 +287,7 @@ class AsyncPublisher:
         await self._publish_anchor(snap.step, snap.state, digest, timing)
         self._advance(snap, digest)
         self._schedule.anchor_started()
+        self._history = None
 
     def _advance(self, snap: HostCopy, digest: StateDigest) -> None:
         """Move the baseline to a committed step (never called before the ready marker is written)."""
@@ -296,17 +305,23 @@ class AsyncPublisher:
         try:
             t0 = time.perf_counter()
             params = self.config.codec
-            patch = await asyncio.to_thread(
-                encode_patch, base.state, snap.state, params, base_digest=base.digest, new_digest=digest
+            reference = self._history
+            encoded = await asyncio.to_thread(
+                encode, base.state, snap.state, params, base_digest=base.digest, new_digest=digest, reference=reference
             )
-            ref = await asyncio.to_thread(ObjectRef.for_bytes, key, patch)
+            patch = encoded.data
+            ref = ObjectRef(key=key, size=len(patch), sha256=encoded.history.sha256)
             header = read_header(patch)
             report.changed_elements, report.wire_bytes = header.changed_elements, len(patch)
             t1 = time.perf_counter()
             await self.store.put(key, patch)
             t2 = time.perf_counter()
-            manifest = patch_manifest(snap.step, base, self._schedule.anchor_step, ref, digest, report.sizes(), params)
+            coded_against = self._history_ref if read_header(patch).reference_sha256 is not None else None
+            manifest = patch_manifest(
+                snap.step, base, self._schedule.anchor_step, ref, digest, report.sizes(), params, coded_against
+            )
             await self._commit(manifest)
+            self._history, self._history_ref = encoded.history, ref
             report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
             report.ok = True
             return report

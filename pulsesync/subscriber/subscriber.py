@@ -37,7 +37,7 @@ from tenacity import (
 )
 
 from pulsesync import metrics, state_cache
-from pulsesync.codec import UndoLog, fused
+from pulsesync.codec import PatchHistory, UndoLog, fused
 from pulsesync.digest import StateDigest
 from pulsesync.errors import (
     ConfigError,
@@ -46,6 +46,7 @@ from pulsesync.errors import (
     ForeignStreamError,
     IntegrityError,
     LocalWriteError,
+    MissingReferenceError,
     NotFoundError,
     PulseSyncError,
     ReplayError,
@@ -60,7 +61,15 @@ from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
-_NOT_A_VERIFICATION_FAILURE = (StoreError, NotFoundError, EngineError, ConfigError, LocalWriteError, DeadlineError)
+_NOT_A_VERIFICATION_FAILURE = (
+    StoreError,
+    NotFoundError,
+    EngineError,
+    ConfigError,
+    LocalWriteError,
+    DeadlineError,
+    MissingReferenceError,  # a history-coded patch after a restart: the slow path rebuilds the history
+)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class _Staged(VerifiedState):
 
     path: str = ""
     undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
+    history: PatchHistory | None = None  # of the last patch applied: the next patch's reference
 
     def rollback(self) -> None:
         """Undo in-place patches, newest first."""
@@ -133,6 +143,7 @@ class Subscriber:
         self.digest: StateDigest | None = None
         self.step = -1
         self.files: dict[str, bytes] = {}
+        self.history: PatchHistory | None = None  # of the patch that produced the held state
         self.status = SubscriberStatus()
         self._undelivered: _Staged | None = None  # a slow-path state a sink refused: deliver again
         self._state_lock = threading.Lock()  # held while the held state is patched in place
@@ -287,7 +298,9 @@ class Subscriber:
         staged = _Staged(target, self.state, self.digest, self.files, "fast" if len(links) == 1 else "chain")
         self._state_lock.acquire()
         try:
-            staged.digest = await self.chain.apply_chain(self.state, self.digest, links, undo=staged.undo)
+            staged.digest, staged.history = await self.chain.apply_chain(
+                self.state, self.digest, links, undo=staged.undo, reference=self.history
+            )
         except BaseException:
             staged.rollback()
             self._state_lock.release()
@@ -297,7 +310,7 @@ class Subscriber:
     async def _slow(self, target: int) -> _Staged:
         """Slow path: the nearest anchor on the target's chain, then its patches."""
         rebuilt = await self.chain.reconstruct(target)
-        return _Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, "slow")
+        return _Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, "slow", history=rebuilt.history)
 
     def _fallback(self, target: int, error: PulseSyncError) -> None:
         reason = type(error).__name__
@@ -327,6 +340,7 @@ class Subscriber:
                 self._state_lock.release()
         self._undelivered = None
         self.state, self.digest, self.step, self.files = staged.state, staged.digest, staged.step, staged.files
+        self.history = staged.history
         self.status.step, self.status.digest = staged.step, staged.digest.root
         metrics.SUBSCRIBER_STEP.set(staged.step)
         log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
