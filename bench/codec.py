@@ -18,7 +18,6 @@ import argparse
 import json
 import platform
 import statistics
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -26,55 +25,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import zstandard
 
 from pulsesync.codec import CodecParams, apply_patch, encode_patch
+from pulsesync.codec.baseline import pulse_apply, pulse_encode
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 from pulsesync.threads import default_threads
 
 State = dict[str, torch.Tensor]
 DENSITY_RANGE = (0.005, 0.015)
-
-
-# --- PULSE default (the paper's Algorithm 1 with delta encoding, downcasting and zstd-1) ---------
-
-
-def pulse_encode(old: State, new: State) -> bytes:
-    """Per tensor: sorted changed positions, delta-encoded, narrowest uint; raw new values; zstd-1."""
-    parts = []
-    for name in sorted(new):
-        a = old[name].reshape(-1).view(torch.int16).numpy()
-        b = new[name].reshape(-1).view(torch.int16).numpy()
-        pos = np.flatnonzero(a != b)
-        if pos.size == 0:
-            continue
-        gaps = np.diff(pos, prepend=0)  # first index as is, then differences
-        index_dtype = next(d for d in (np.uint8, np.uint16, np.uint32, np.uint64) if gaps.max() <= np.iinfo(d).max)
-        encoded = name.encode()
-        parts.append(
-            struct.pack("<H", len(encoded)) + encoded + struct.pack("<QB", pos.size, np.dtype(index_dtype).itemsize)
-        )
-        parts.append(gaps.astype(index_dtype).tobytes())
-        parts.append(b[pos].tobytes())  # new values, not deltas
-    return zstandard.ZstdCompressor(level=1, threads=-1).compress(b"".join(parts))
-
-
-def pulse_apply(state: State, patch: bytes) -> None:
-    """Decompress, upcast, prefix-sum the positions, overwrite values in place."""
-    raw = memoryview(zstandard.ZstdDecompressor().decompress(patch))
-    offset = 0
-    while offset < len(raw):
-        (name_len,) = struct.unpack_from("<H", raw, offset)
-        name = bytes(raw[offset + 2 : offset + 2 + name_len]).decode()
-        n, width = struct.unpack_from("<QB", raw, offset + 2 + name_len)
-        offset += 2 + name_len + 9
-        gaps = np.frombuffer(raw, {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width], n, offset)
-        offset += n * width
-        values = np.frombuffer(raw, np.int16, n, offset)
-        offset += 2 * n
-        flat = state[name].view(-1).view(torch.int16)
-        flat.index_copy_(0, torch.from_numpy(np.cumsum(gaps, dtype=np.int64)), torch.from_numpy(values.copy()))
 
 
 # --- measurement --------------------------------------------------------------------------------

@@ -15,11 +15,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pulsesync.atomic_files import replace_with, write_file
+from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import LocalWriteError
 from pulsesync.model_dir import load_owned
@@ -29,6 +31,7 @@ log = logging.getLogger("pulsesync.cache")
 STATE_FILE = "state.safetensors"
 META_FILE = "state.json"
 MARKER_FILE = "ready-marker.json"  # a copy of the signed manifest of the cached step
+HISTORY_FILE = "patch-history.safetensors"  # what the cached step's patch changed (format-2 references)
 FILES_DIR = "files"
 
 
@@ -41,10 +44,13 @@ class CachedState(VerifiedState):
     """
 
     marker: bytes | None = None
+    history: PatchHistory | None = None  # of the patch that produced the state: the next patch's reference
 
 
-def save(cache_dir: Path, verified: VerifiedState, marker: bytes | None = None) -> None:
-    """Persist a verified state, its digest, its files and its signed marker atomically.
+def save(
+    cache_dir: Path, verified: VerifiedState, marker: bytes | None = None, history: PatchHistory | None = None
+) -> None:
+    """Persist a verified state, its digest, its files, its signed marker and its patch history atomically.
 
     LocalWriteError if the disk refuses (full, read-only): the previous set is gone by then, never half-kept.
     """
@@ -60,11 +66,41 @@ def save(cache_dir: Path, verified: VerifiedState, marker: bytes | None = None) 
             write_file(cache_dir / MARKER_FILE, marker)
         else:
             (cache_dir / MARKER_FILE).unlink(missing_ok=True)
+        if history is not None:
+            replace_with(cache_dir / HISTORY_FILE, lambda p: _save_history(history, p))
+        else:
+            (cache_dir / HISTORY_FILE).unlink(missing_ok=True)
         shas = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         record = json.dumps({"step": step, "digest": digest.model_dump(mode="json"), "files": shas})
         write_file(meta, record.encode())
     except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors as SafetensorError
         raise LocalWriteError(f"state cache {cache_dir}: cannot save step {step} ({e})") from None
+
+
+def _save_history(history: PatchHistory, path: Path) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for i, chunk in enumerate(history.chunks.values()):
+        tensors[f"{i}.positions"] = torch.from_numpy(chunk.positions)
+        tensors[f"{i}.deltas"] = torch.from_numpy(chunk.deltas)
+    keys = json.dumps({"sha256": history.sha256, "chunks": [list(k) for k in history.chunks]})
+    save_file(tensors, str(path), metadata={"history": keys})
+
+
+def _load_history(path: Path) -> PatchHistory | None:
+    """The cached history, or None. Not trusted: a wrong one only fails the next patch's digest check."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {})["history"])
+            history = PatchHistory(str(meta["sha256"]))
+            for i, (name, start, length) in enumerate(meta["chunks"]):
+                positions, deltas = f.get_tensor(f"{i}.positions").numpy(), f.get_tensor(f"{i}.deltas").numpy()
+                history.chunks[(str(name), int(start), int(length))] = ChunkHistory(positions, deltas)
+        return history
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        log.warning("ignoring the cached patch history %s: unreadable (%s)", path, e)
+        return None
 
 
 def _file_name(name: str) -> str:
@@ -95,4 +131,4 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
     if digest.root != expected.root:
         log.warning("discarding the state cache in %s: %s", cache_dir, digest.describe_mismatch(expected))
         return None
-    return CachedState(step, state, digest, files, marker)
+    return CachedState(step, state, digest, files, marker, _load_history(cache_dir / HISTORY_FILE))

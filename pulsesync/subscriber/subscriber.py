@@ -164,7 +164,8 @@ class Subscriber:
         if not await self._authentic(cached):
             return
         log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
-        await self._activate(_Staged(cached.step, cached.state, cached.digest, cached.files, "cache"), persist=False)
+        staged = _Staged(cached.step, cached.state, cached.digest, cached.files, "cache", history=cached.history)
+        await self._activate(staged, persist=False)
 
     async def _authentic(self, cached: state_cache.CachedState) -> bool:
         """Whether a signed manifest vouches for the cached state: the store's for its step, else the cached copy.
@@ -354,7 +355,8 @@ class Subscriber:
         found = self.chain.verified_marker(self.step)
         served = VerifiedState(self.step, self.state, self.digest, self.files)
         with self._state_lock:  # not patched while it is written out
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, served, found[0] if found else None)
+            marker = found[0] if found else None
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, served, marker, self.history)
         self._unsaved = False
 
     # --- in-process sink -------------------------------------------------------------------------

@@ -1,0 +1,305 @@
+"""Patch format 2: adaptive record codings, HISTORY records, the PULSE bound, compatibility (issue 15).
+
+Codec properties run with both kernels (numba's fused path and numpy's); end-to-end tests run the
+publisher and subscribers on the store fixture (a real filesystem and moto's S3 server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pulsesync.codec import (
+    CodecParams,
+    PatchDecoder,
+    PatchHistory,
+    RecordKind,
+    UndoLog,
+    ValueCoding,
+    apply_patch,
+    encode,
+    fused,
+    read_header,
+)
+from pulsesync.codec.baseline import pulse_encode
+from pulsesync.codec.format import RECORD_FIXED_V2, parse_header
+from pulsesync.errors import MissingReferenceError, PulseSyncError
+from pulsesync.protocol import layout
+from pulsesync.publisher import AsyncPublisher
+from pulsesync.retention import RetentionPolicy, RetentionWorker
+from pulsesync.store import Store
+from pulsesync.synthetic import real_like_trainer
+from tests.support.helpers import assert_states_equal, publisher_config
+from tests.support.subscribing import subscriber
+
+State = dict[str, torch.Tensor]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run with numba's fused kernels, then with the numpy path."""
+    if request.param == "numpy":
+        monkeypatch.setattr(fused, "enabled", False)
+    elif not fused.enabled:
+        pytest.skip("numba is not installed")
+    yield request.param
+
+
+def _real_like_states(n: int, hidden: int = 64, seed: int = 0) -> list[State]:
+    trainer = real_like_trainer(hidden, 2, seed=seed, lr=1e-5)
+    states = [trainer.state()]
+    for _ in range(n - 1):
+        trainer.step()
+        states.append(trainer.state())
+    return states
+
+
+def _apply(state: State, patch: bytes, reference: PatchHistory | None) -> tuple[State, PatchHistory]:
+    work = {n: t.clone() for n, t in state.items()}
+    history = PatchHistory(hashlib.sha256(patch).hexdigest())
+    apply_patch(work, patch, reference=reference, history=history)
+    return work, history
+
+
+def _kinds(patch: bytes) -> set[tuple[RecordKind, ValueCoding]]:
+    return {(h.kind, h.coding) for h, _ in PatchDecoder().split(patch)}
+
+
+def _assert_same_history(a: PatchHistory, b: PatchHistory) -> None:
+    assert a.sha256 == b.sha256 and a.chunks.keys() == b.chunks.keys()
+    for key, chunk in a.chunks.items():
+        assert np.array_equal(chunk.positions, b.chunks[key].positions), key
+        assert chunk.deltas.dtype == b.chunks[key].deltas.dtype
+        assert np.array_equal(chunk.deltas, b.chunks[key].deltas), key
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> list[State]:
+    """Three steps of one tensor whose changes recur (same positions, often the same delta) or not."""
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.int16, torch.uint8]))
+    numel = draw(st.integers(1, 3000))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    raw_bytes = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    states = [{"w": raw_bytes.view(dtype).clone(), "k": torch.zeros(7, dtype=dtype)}]
+    width = {1: torch.int8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    density = draw(st.floats(0.0, 1.0))
+    recurring = torch.rand(numel, generator=gen) < density
+    for _ in range(2):
+        fresh = torch.rand(numel, generator=gen) < density / 4
+        mask = (recurring & (torch.rand(numel, generator=gen) < 0.8)) | fresh
+        bump = torch.randint(-3, 4, (numel,), generator=gen, dtype=width) * mask.to(width)
+        bits = states[-1]["w"].view(width) + bump
+        states.append({"w": bits.view(dtype).clone(), "k": states[-1]["k"].clone()})
+    return states
+
+
+@SETTINGS
+@given(states=chains())
+def test_history_chains_round_trip_bit_exact_with_both_kernels(kernel: str, states: list[State]) -> None:
+    """Every step decodes bit-exactly against the reference the subscriber holds; both ends agree on the history."""
+    reference: PatchHistory | None = None
+    held: PatchHistory | None = None
+    for old, new in itertools.pairwise(states):
+        encoded = encode(old, new, reference=reference)
+        got, history = _apply(old, encoded.data, held)
+        assert_states_equal(got, new)
+        _assert_same_history(encoded.history, history)
+        reference, held = encoded.history, history
+
+
+@SETTINGS
+@given(
+    numel=st.integers(1, 5000),
+    density=st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.int16]),
+    seed=st.integers(0, 2**31 - 1),
+    history=st.booleans(),
+)
+def test_a_patch_is_never_larger_than_the_pulse_default_plus_its_framing(
+    numel: int, density: float, dtype: torch.dtype, seed: int, history: bool
+) -> None:
+    """Adversarial changes included (random bits, every element changed): PULSE's bytes + fixed framing bound it."""
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16, generator=gen)
+    new = torch.where(
+        torch.rand(numel, generator=gen) < density,
+        torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16, generator=gen),
+        old,
+    )
+    base, target = {"t": old.view(dtype)}, {"t": new.view(dtype)}
+    reference = encode(target, base).history if history else None  # the opposite change, as a reference
+    patch = encode(base, target, reference=reference).data
+    records = len(PatchDecoder().split(patch))
+    parsed = parse_header(patch)
+    assert parsed is not None
+    framing = parsed[1] + (records + 1) * (RECORD_FIXED_V2.size + len("t") + 8 + 4 + 24)
+    assert len(patch) <= len(pulse_encode(base, target)) + framing
+
+
+def _coverage_patches() -> list[tuple[State, bytes, PatchHistory | None]]:
+    """Patches that hold, between them, every format-2 record kind and coding."""
+    states = _real_like_states(4)
+    out: list[tuple[State, bytes, PatchHistory | None]] = []
+    reference = None
+    for old, new in itertools.pairwise(states):
+        encoded = encode(old, new, CodecParams(chunk_elements=1024), reference=reference)
+        out.append((old, encoded.data, reference))
+        reference = encoded.history
+    gen = torch.Generator().manual_seed(1)
+    old = torch.randn(4096, generator=gen).to(torch.bfloat16)
+    noisy = torch.randint(-(2**15), 2**15, (4096,), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    one_ulp = (old.view(torch.int16) + (torch.rand(4096, generator=gen) < 0.02).to(torch.int16)).view(torch.bfloat16)
+    every_ulp = (old.view(torch.int16) + 1).view(torch.bfloat16)
+    for new in (noisy, every_ulp, one_ulp):  # dense random, dense +1 ULP, sparse +1 ULP
+        out.append(({"t": old}, encode({"t": old}, {"t": new}).data, None))
+    return out
+
+
+def test_the_coverage_patches_hold_every_record_kind() -> None:
+    kinds = set().union(*(_kinds(patch) for _, patch, _ in _coverage_patches()))
+    expected = {
+        (RecordKind.HISTORY, ValueCoding.EXP_PLANES),
+        (RecordKind.HISTORY, ValueCoding.PLANES),
+        (RecordKind.SPARSE, ValueCoding.EXP_PLANES),
+        (RecordKind.SPARSE, ValueCoding.DELTA),
+        (RecordKind.DENSE, ValueCoding.RAW),
+        (RecordKind.DENSE, ValueCoding.DELTA),
+    }
+    assert expected <= kinds, expected - kinds
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_any_flipped_byte_is_an_error_and_the_state_rolls_back(kernel: str, index: int) -> None:
+    """Corruption anywhere in a format-2 patch: a pulsesync error (never another exception); undo restores the state."""
+    base, patch, reference = _coverage_patches()[index]
+    rng = np.random.default_rng(index)
+    for offset in rng.choice(len(patch), size=min(len(patch), 60), replace=False):
+        flipped = bytearray(patch)
+        flipped[offset] ^= 1 << int(rng.integers(8))
+        work = {n: t.clone() for n, t in base.items()}
+        undo = UndoLog()
+        try:
+            apply_patch(work, bytes(flipped), reference=reference, undo=undo)
+        except PulseSyncError:
+            undo.rollback(work)
+            assert_states_equal(work, base)
+        else:  # a flip inside the zstd frame that zstd's checksum and our hash both let through cannot happen
+            raise AssertionError(f"flipped bit at byte {offset} was accepted")
+
+
+def test_a_history_coded_patch_needs_its_reference() -> None:
+    states = _real_like_states(3)
+    first = encode(states[0], states[1])
+    second = encode(states[1], states[2], reference=first.history)
+    assert read_header(second.data).reference_sha256 == first.history.sha256
+    with pytest.raises(MissingReferenceError, match="reference held is none"):
+        _apply(states[1], second.data, None)
+    with pytest.raises(MissingReferenceError, match="reference held is patch"):
+        _apply(states[1], second.data, PatchHistory("0" * 64, first.history.chunks))
+
+
+def test_format_1_is_written_on_request_and_read_by_format_2() -> None:
+    states = _real_like_states(3)
+    first = encode(states[0], states[1], CodecParams(format_version=1))
+    second = encode(states[1], states[2], CodecParams(format_version=1), reference=first.history)
+    for old, new, patch in ((states[0], states[1], first.data), (states[1], states[2], second.data)):
+        parsed = parse_header(patch)
+        assert parsed is not None and parsed[2] == 1
+        assert {k for k, _ in _kinds(patch)} <= {RecordKind.SPARSE, RecordKind.DENSE}
+        assert_states_equal(_apply(old, patch, None)[0], new)
+
+
+def test_history_coding_beats_stateless_on_the_real_like_workload() -> None:
+    states = _real_like_states(4, hidden=128)
+    reference = encode(states[1], states[2]).history
+    stateless = encode(states[2], states[3]).data
+    history = encode(states[2], states[3], reference=reference).data
+    assert len(history) < 0.8 * len(stateless)
+    assert len(stateless) < len(pulse_encode(states[2], states[3]))
+
+
+# --- end to end: publisher, store, subscribers -----------------------------------------------------
+
+REAL_LIKE = _real_like_states(12)
+
+
+async def _publish(pub: AsyncPublisher, steps: range) -> None:
+    for step in steps:
+        await pub.publish(step, REAL_LIKE[step], {"config.json": b'{"model_type": "t"}'})
+    await pub.flush()
+
+
+async def _patch_manifests(pub: AsyncPublisher, steps: range) -> dict[int, Any]:
+    return {s: await pub._chain.manifest(s, "patch") for s in steps}
+
+
+async def test_slow_path_from_an_anchor_into_a_history_coded_chain(store: Store, key: Any) -> None:
+    async with AsyncPublisher(publisher_config(anchor_interval=5), store=store, signing_key=key) as pub:
+        await _publish(pub, range(10))
+        manifests = await _patch_manifests(pub, range(1, 10))
+    coded = [s for s, m in manifests.items() if m.reference is not None]
+    assert coded and all(manifests[s].reference.key == layout.patch_key(s - 1, pub.run_id) for s in coded)
+    assert 6 not in coded  # the patch after anchor 5 is self-contained: the slow path can start there
+
+    follower = subscriber(store, key)  # every step, by the fast path
+    for step in range(10):
+        await follower.sync(step)
+        assert_states_equal(follower.state, REAL_LIKE[step])
+    late = subscriber(store, key)  # anchor 5 + history-coded patches 6..8
+    assert (await late.sync(8)).path == "slow"
+    assert_states_equal(late.state, REAL_LIKE[8])
+    assert (await late.sync(9)).path == "fast"
+    assert_states_equal(late.state, REAL_LIKE[9])
+
+    late.history = None  # as if its cached history were lost: the reference is not held
+    async with AsyncPublisher(publisher_config(anchor_interval=50, resume=True), store=store, signing_key=key) as pub:
+        await _publish(pub, range(10, 12))
+        assert (await pub._chain.manifest(10, "patch")).reference is not None  # resumed history
+    result = await late.sync(11)
+    assert result.path == "slow" and late.status.fallbacks == {"MissingReferenceError": 1}
+    assert_states_equal(late.state, REAL_LIKE[11])
+
+
+async def test_retention_keeps_every_reference_a_kept_patch_names(store: Store, key: Any) -> None:
+    async with AsyncPublisher(publisher_config(anchor_interval=4), store=store, signing_key=key) as pub:
+        await _publish(pub, range(12))
+    trusted = subscriber(store, key).chain.trusted
+    await RetentionWorker(store, RetentionPolicy(keep_patches=3, keep_anchors=1, grace_seconds=0), trusted).run_once()
+    keys = {info.key async for info in store.list("")}
+    kept = [e.step for e in map(layout.parse_ready_key, keys) if e is not None and e.kind == "patch"]
+    assert kept and min(kept) < 11
+    for step in kept:
+        manifest = await subscriber(store, key).chain.manifest(step, "patch")
+        if manifest.reference is not None:
+            assert manifest.reference.key in keys
+    fresh = subscriber(store, key)
+    await fresh.sync()
+    assert_states_equal(fresh.state, REAL_LIKE[11])
+
+
+async def test_a_format_1_store_is_read_by_the_format_2_subscriber(store: Store, key: Any) -> None:
+    config = publisher_config(anchor_interval=5, codec={"format_version": 1})
+    async with AsyncPublisher(config, store=store, signing_key=key) as pub:
+        await _publish(pub, range(8))
+        manifests = await _patch_manifests(pub, range(1, 8))
+    assert all(m.reference is None and m.codec.format_version == 1 for m in manifests.values())
+    for step in (1, 7):
+        data = await store.get(manifests[step].objects[0].key)
+        parsed = parse_header(data)
+        assert parsed is not None and parsed[2] == 1
+    sub = subscriber(store, key)
+    assert (await sub.sync(6)).path == "slow"
+    assert (await sub.sync(7)).path == "fast"
+    assert_states_equal(sub.state, REAL_LIKE[7])
+    assert asyncio.get_running_loop() is not None
