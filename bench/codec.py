@@ -22,18 +22,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
-from pulsesync.codec import CodecParams, apply_patch, encode_patch
+from pulsesync.codec import CodecParams, PatchHistory, apply_patch, encode
 from pulsesync.codec.baseline import pulse_apply, pulse_encode
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes, real_like_trainer
 from pulsesync.threads import default_threads
 
 State = dict[str, torch.Tensor]
-DENSITY_RANGE = (0.005, 0.015)
+DENSITY_RANGE = (0.003, 0.015)  # real fine-tunes measured 0.1%..1.1% (docs/benchmarks.md)
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -49,6 +50,8 @@ class Step:
     changed: int
     numel: int
     dense_bytes: int
+    reference: PatchHistory | None = None  # history of the patch before (what a subscriber holds)
+    previous: State | None = None  # the state before `old`
 
 
 @dataclass
@@ -59,32 +62,47 @@ class Result:
     decode_s: list[float] = field(default_factory=list)
 
 
-def make_steps(lrs: list[float], hidden: int, layers: int, warmup: int, measured: int, seed: int) -> list[Step]:
+WORKLOADS: dict[str, Callable[[int, int, float, int], SyntheticTrainer]] = {
+    # fp32 master weights ~ N(0, 0.0178), noisy gradients: ~90% of changes are +-1 ULP
+    "synthetic": lambda hidden, layers, lr, seed: SyntheticTrainer(
+        llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=lr, seed=seed
+    ),
+    # calibrated on real fine-tunes (bench/calibrate.py, docs/benchmarks.md): bf16 weights, near-zero mass
+    "real-like": lambda hidden, layers, lr, seed: real_like_trainer(hidden, layers, seed=seed, lr=lr),
+}
+
+
+def make_steps(
+    workload: str, lrs: list[float], hidden: int, layers: int, warmup: int, measured: int, seed: int
+) -> list[Step]:
     """Warm AdamW up (its first updates are unusually dense), then keep consecutive bf16 states."""
     steps = []
-    shapes = llm_like_shapes(hidden, layers, vocab=96 * hidden)
     for lr in lrs:
-        trainer = SyntheticTrainer(shapes, lr=lr, seed=seed)
+        trainer = WORKLOADS[workload](hidden, layers, lr, seed)
         for _ in range(warmup):
             trainer.step()
+        before = trainer.state()
+        trainer.step()
         prev = trainer.state()
         prev_digest = state_digest(prev)
+        reference = encode(before, prev).history
         for _ in range(measured):
             trainer.step()
             cur = trainer.state()
             cur_digest = state_digest(cur)
             changed = sum(int((prev[n].view(torch.int16) != cur[n].view(torch.int16)).sum()) for n in cur)
             numel = sum(t.numel() for t in cur.values())
-            steps.append(Step(lr, prev, cur, prev_digest, cur_digest, changed, numel, 2 * numel))
-            prev, prev_digest = cur, cur_digest
+            steps.append(Step(lr, prev, cur, prev_digest, cur_digest, changed, numel, 2 * numel, reference, before))
+            reference = encode(prev, cur, base_digest=prev_digest, new_digest=cur_digest, reference=reference).history
+            before, prev, prev_digest = prev, cur, cur_digest
     return steps
 
 
-def check_density(steps: list[Step]) -> None:
+def check_density(steps: list[Step], workload: str) -> None:
     for i, s in enumerate(steps):
         density = s.changed / s.numel
         if not DENSITY_RANGE[0] <= density <= DENSITY_RANGE[1]:
-            sys.exit(f"workload step {i} (lr {s.lr:g}) has density {density:.3%}, outside {DENSITY_RANGE}")
+            sys.exit(f"{workload} step {i} (lr {s.lr:g}) has density {density:.3%}, outside {DENSITY_RANGE}")
 
 
 def _median_time(
@@ -137,39 +155,59 @@ def measure(
     return result
 
 
-def pulsesync_method(params: CodecParams) -> tuple[Callable[[Step], bytes], Callable[[State, bytes, Step], None]]:
+def pulsesync_method(
+    params: CodecParams, history: bool = False
+) -> tuple[Callable[[Step], bytes], Callable[[State, bytes, Step], None]]:
     def enc(s: Step) -> bytes:
-        return encode_patch(s.old, s.new, params, base_digest=s.old_digest, new_digest=s.new_digest)
+        reference = s.reference if history else None
+        return encode(s.old, s.new, params, base_digest=s.old_digest, new_digest=s.new_digest, reference=reference).data
 
     def dec(work: State, patch: bytes, s: Step) -> None:
-        apply_patch(work, patch, base_digest=s.old_digest, verify=False)
+        reference = s.reference if history else None
+        apply_patch(work, patch, base_digest=s.old_digest, verify=False, reference=reference)
         if any(t.is_cuda for t in work.values()):  # kernels run asynchronously: time them done
             torch.cuda.synchronize()
 
     return enc, dec
 
 
-def entropy_bound(steps: list[Step]) -> float:
-    """Order-0 entropy of per-tensor position gaps plus ordered-value deltas, in bytes per change."""
+def _entropy_bits(*columns: np.ndarray) -> float:
+    """Order-0 entropy (total bits) of the last column given the others (empirical joint counts)."""
+    joint = np.stack([c.astype(np.int64) for c in columns], axis=1)
+    _, counts = np.unique(joint, axis=0, return_counts=True)
+    bits = float(-(counts * np.log2(counts / counts.sum())).sum())
+    if len(columns) == 1:
+        return bits
+    _, context = np.unique(joint[:, :-1], axis=0, return_counts=True)
+    return bits - float(-(context * np.log2(context / context.sum())).sum())
 
-    def entropy(x: np.ndarray) -> float:
-        _, counts = np.unique(x, return_counts=True)
-        p = counts / counts.sum()
-        return float(-(p * np.log2(p)).sum() * counts.sum())
 
-    bits = changes = 0.0
+def entropy_bounds(steps: list[Step]) -> tuple[float, float]:
+    """Bytes per change: order-0 (position gaps + ordered deltas) and conditional (deltas given the old
+    value's exponent and the position's delta at the previous step, clipped to +-8; gaps order-0)."""
+
+    def ordered(v: np.ndarray) -> np.ndarray:
+        return np.where(v < 0, v ^ 0x7FFF, v)  # the codec's order-preserving map
+
+    order0 = conditional = changes = 0.0
     for s in steps:
-        gaps, deltas = [], []
+        gaps, deltas, exps, previous = [], [], [], []
         for name in s.new:
             a = s.old[name].reshape(-1).view(torch.int16).numpy().astype(np.int32)
             b = s.new[name].reshape(-1).view(torch.int16).numpy().astype(np.int32)
             pos = np.flatnonzero(a != b)
-            ordered = lambda v: np.where(v < 0, v ^ 0x7FFF, v)  # noqa: E731 - the codec's order-preserving map
             gaps.append(np.diff(pos, prepend=-1))
             deltas.append(ordered(b[pos]) - ordered(a[pos]))
-        bits += entropy(np.concatenate(gaps)) + entropy(np.concatenate(deltas))
+            exps.append((a[pos] >> 7) & 0xFF)
+            if s.previous is not None:
+                p = s.previous[name].reshape(-1).view(torch.int16).numpy().astype(np.int32)
+                previous.append(np.clip(ordered(a[pos]) - ordered(p[pos]), -8, 8))
+        g, d, e = np.concatenate(gaps), np.concatenate(deltas), np.concatenate(exps)
+        prev = np.concatenate(previous) if previous else np.zeros_like(d)
+        order0 += _entropy_bits(g) + _entropy_bits(d)
+        conditional += _entropy_bits(g) + _entropy_bits(e, prev, d)
         changes += s.changed
-    return bits / 8 / changes
+    return order0 / 8 / changes, conditional / 8 / changes
 
 
 def summarize(result: Result, steps: list[Step], baseline: Result | None) -> dict[str, float]:
@@ -187,9 +225,70 @@ def summarize(result: Result, steps: list[Step], baseline: Result | None) -> dic
     return out
 
 
+def run_workload(workload: str, args: argparse.Namespace, hidden: int, measured: int, reps: int) -> dict[str, Any]:
+    """Measure every method on one workload; print its table; return its JSON section."""
+    t0 = time.perf_counter()
+    layers = args.layers or 4  # with vocab = 96 x hidden: embedding-heavy like small LLMs
+    steps = make_steps(workload, [1e-6, 3e-6], hidden, layers, warmup=12, measured=measured, seed=args.seed)
+    check_density(steps, workload)
+    t_workload = time.perf_counter() - t0
+    methods = [
+        ("pulsesync v1 (format 1, delta)", CodecParams(format_version=1), False),
+        ("pulsesync v2 stateless", CodecParams(), False),
+        ("pulsesync v2 history-coded (default)", CodecParams(), True),
+    ]
+    if not args.quick:
+        methods += [
+            ("pulsesync v2 history, zstd-3", CodecParams(zstd_level=3), True),
+            ("pulsesync v2 history, 1 thread", CodecParams(threads=1), True),
+        ]
+    baseline = measure("PULSE default (baseline)", steps, reps, lambda s: pulse_encode(s.old, s.new), _pulse_apply)
+    results = [(baseline, summarize(baseline, steps, baseline))]
+    for name, params, history in methods:
+        result = measure(name, steps, reps, *pulsesync_method(params, history))
+        results.append((result, summarize(result, steps, baseline)))
+    if args.device:  # the same steps held on the device; the CPU rows above are the baseline
+        on_device = [replace(s, old=_to(s.old, args.device), new=_to(s.new, args.device)) for s in steps]
+        method = f"pulsesync v2 history on {args.device}"
+        device_result = measure(method, on_device, reps, *pulsesync_method(CodecParams(), True))
+        results.append((device_result, summarize(device_result, steps, baseline)))
+    order0, conditional = entropy_bounds(steps)
+    densities = [s.changed / s.numel for s in steps]
+    mean_density = statistics.mean(densities)
+    print(
+        f"\n[{workload}] {steps[0].numel / 1e6:.0f}M bf16 parameters ({steps[0].dense_bytes / 1e6:.0f} MB), "
+        f"AdamW lr 1e-6 and 3e-6, {measured} steps each; density {min(densities):.2%}..{max(densities):.2%} "
+        f"(mean {mean_density:.2%}); {default_threads()} threads; built in {t_workload:.0f}s"
+    )
+    print(
+        f"entropy bounds, bytes/change: order-0 {order0:.3f} (ratio {2 / (order0 * mean_density):.0f}x), "
+        f"conditional {conditional:.3f} (ratio {2 / (conditional * mean_density):.0f}x)"
+    )
+    print(f"{'method':<38} {'B/change':>9} {'full ratio':>11} {'vs PULSE':>9} {'encode GB/s':>12} {'decode GB/s':>12}")
+    for r, row in results:
+        print(
+            f"{r.method:<38} {row['bytes_per_change']:>9.3f} {row['ratio']:>10.1f}x {row['ratio_vs_baseline']:>8.2f}x "
+            f"{row['encode_gbps']:>12.2f} {row['decode_gbps']:>12.2f}"
+        )
+    return {
+        "density": mean_density,
+        "entropy_bound_bytes_per_change": order0,
+        "conditional_bound_bytes_per_change": conditional,
+        "methods": {r.method: row for r, row in results},
+        "per_lr_density": {
+            str(lr): statistics.mean(s.changed / s.numel for s in steps if s.lr == lr) for lr in (1e-6, 3e-6)
+        },
+        "parameters": steps[0].numel,
+    }
+
+
+def _pulse_apply(work: State, patch: bytes, s: Step) -> None:
+    pulse_apply(work, patch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small model, 2 steps per lr, default codec only")
+    parser.add_argument("--quick", action="store_true", help="small model, 2 steps per lr, fewer methods")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--hidden", type=int, help="model width (default 1024; quick 512)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 4)")
@@ -199,70 +298,27 @@ def main() -> None:
     parser.add_argument("--device", help="also measure the default codec on states held on this device (e.g. cuda)")
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
-    layers = args.layers or 4  # with vocab = 96 x hidden: embedding-heavy like small LLMs, density in range
     measured = args.steps or (2 if args.quick else 4)
     reps = args.reps or (3 if args.quick else 5)
-
     t0 = time.perf_counter()
-    steps = make_steps([1e-6, 3e-6], hidden, layers, warmup=12, measured=measured, seed=args.seed)
-    check_density(steps)
-    t_workload = time.perf_counter() - t0
-    params = [("pulsesync delta zstd-1 (default)", CodecParams())]
-    if not args.quick:
-        params += [
-            ("pulsesync delta zstd-3", CodecParams(zstd_level=3)),
-            ("pulsesync xor zstd-1", CodecParams(value_coding="xor")),
-            ("pulsesync raw zstd-1", CodecParams(value_coding="raw")),
-            ("pulsesync delta zstd-1, 1 thread", CodecParams(threads=1)),
-        ]
-    baseline = measure(
-        "PULSE default (baseline)", steps, reps, lambda s: pulse_encode(s.old, s.new), lambda w, p, s: pulse_apply(w, p)
-    )
-    results = [
-        (r, summarize(r, steps, baseline))
-        for r in [baseline] + [measure(n, steps, reps, *pulsesync_method(p)) for n, p in params]
-    ]
-    if args.device:  # the same steps held on the device; the CPU rows above are the baseline
-        on_device = [replace(s, old=_to(s.old, args.device), new=_to(s.new, args.device)) for s in steps]
-        method = f"pulsesync default on {args.device}"
-        device_result = measure(method, on_device, reps, *pulsesync_method(CodecParams()))
-        results.append((device_result, summarize(device_result, steps, baseline)))
-    bound = entropy_bound(steps)
-
-    dense_mb = steps[0].dense_bytes / 1e6
-    densities = [s.changed / s.numel for s in steps]
-    digest_s, _ = _median_time(lambda: state_digest(steps[0].new), reps)
-    print(
-        f"workload: {steps[0].numel / 1e6:.0f}M bf16 parameters ({dense_mb:.0f} MB), AdamW lr 1e-6 and 3e-6, "
-        f"{measured} steps each; density {min(densities):.2%}..{max(densities):.2%} "
-        f"(mean {statistics.mean(densities):.2%}); "
-        f"{default_threads()} threads; built in {t_workload:.0f}s"
-    )
-    print(
-        f"order-0 entropy bound: {bound:.3f} bytes/change (ratio {2 / (bound * statistics.mean(densities)):.0f}x); "
-        f"state digest xxh3-128: {steps[0].dense_bytes / digest_s / 1e9:.1f} GB/s"
-    )
-    print()
-    print(f"{'method':<36} {'B/change':>9} {'full ratio':>11} {'vs PULSE':>9} {'encode GB/s':>12} {'decode GB/s':>12}")
-    for r, s in results:
-        print(
-            f"{r.method:<36} {s['bytes_per_change']:>9.3f} {s['ratio']:>10.1f}x {s['ratio_vs_baseline']:>8.2f}x "
-            f"{s['encode_gbps']:>12.2f} {s['decode_gbps']:>12.2f}"
-        )
-    default = results[1][1]
+    sections = {w: run_workload(w, args, hidden, measured, reps) for w in WORKLOADS}
+    synthetic, real = sections["synthetic"], sections["real-like"]
+    default = synthetic["methods"]["pulsesync v2 history-coded (default)"]
+    pulse = "PULSE default (baseline)"
     if args.json:
         doc = {
-            "density": statistics.mean(densities),
-            "baseline_ratio": results[0][1]["ratio"],
+            "density": synthetic["density"],
+            "baseline_ratio": synthetic["methods"][pulse]["ratio"],
             "ratio": default["ratio"],
             "encode_gbps": default["encode_gbps"],
             "decode_gbps": default["decode_gbps"],
-            "entropy_bound_bytes_per_change": bound,
-            "methods": {r.method: s for r, s in results},
-            "per_lr_density": {
-                str(lr): statistics.mean(s.changed / s.numel for s in steps if s.lr == lr) for lr in (1e-6, 3e-6)
-            },
-            "parameters": steps[0].numel,
+            "entropy_bound_bytes_per_change": synthetic["entropy_bound_bytes_per_change"],
+            "methods": synthetic["methods"],
+            "per_lr_density": synthetic["per_lr_density"],
+            "parameters": synthetic["parameters"],
+            "real_like_ratio_vs_pulse": real["methods"]["pulsesync v2 stateless"]["ratio_vs_baseline"],
+            "history_ratio_vs_pulse": real["methods"]["pulsesync v2 history-coded (default)"]["ratio_vs_baseline"],
+            "workloads": sections,
             "machine": {"cpus": default_threads(), "python": platform.python_version(), "torch": torch.__version__},
         }
         with open(args.json, "w") as f:

@@ -35,6 +35,7 @@ class ChainRow:
     verified: bool | None  # None: no trusted keys given
     age_seconds: float
     error: str | None = None
+    codings: dict[str, int] | None = None  # patches of format 2: records per "KIND/CODING"
 
 
 async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> list[ChainRow]:
@@ -76,6 +77,7 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
                 verified=verified,
                 age_seconds=max((now - manifest.created).total_seconds(), 0.0),
                 error=error,
+                codings=manifest.codec.records if isinstance(manifest, PatchManifest) else None,
             )
         )
     anchors = {step for step, kind in manifests if kind == "anchor"}
@@ -94,11 +96,18 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def _codings(codings: dict[str, int] | None) -> str:
+    """e.g. "HISTORY/EXP_PLANES 40, SPARSE/PLANES 2", most used first."""
+    if not codings:
+        return "-"
+    return ", ".join(f"{k} {n}" for k, n in sorted(codings.items(), key=lambda kv: -kv[1]))
+
+
 def format_table(rows: list[ChainRow]) -> str:
     """A fixed-width table with a totals line."""
     header = (
         f"{'step':>8} {'kind':<6} {'from':>6} {'chain':>6} {'wire bytes':>14} {'changed':>12} {'ratio':>8} "
-        f"{'signer':<17} {'age':>7}"
+        f"{'signer':<17} {'age':>7}  codings"
     )
     lines = [header]
     for r in rows:
@@ -110,7 +119,7 @@ def format_table(rows: list[ChainRow]) -> str:
         chain = "-" if r.kind == "anchor" else "broken" if r.chains_from is None else str(r.chains_from)
         lines.append(
             f"{r.step:>8} {r.kind:<6} {base:>6} {chain:>6} {r.wire_bytes:>14,} {r.changed_elements:>12,} "
-            f"{r.ratio:>7.0f}x {signer:<17} {_age(r.age_seconds):>7}"
+            f"{r.ratio:>7.0f}x {signer:<17} {_age(r.age_seconds):>7}  {_codings(r.codings)}"
         )
         if r.error:
             lines.append(f"{'':>8} {r.error}")

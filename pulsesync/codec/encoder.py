@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -48,6 +49,7 @@ class _Record:
     changed: int
     raw_len: int
     history: tuple[ChunkKey, ChunkHistory] | None = None
+    coding: str = ""  # "KIND/CODING", for the manifest's summary
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class EncodedPatch:
 
     data: bytes
     history: PatchHistory
+    codings: dict[str, int]  # records per "KIND/CODING" (e.g. "HISTORY/EXP_PLANES")
 
 
 def _compress(params: CodecParams, parts: list[bytes]) -> bytes:
@@ -72,7 +75,8 @@ def _record(params: CodecParams, head: RecordHeader, parts: list[bytes], payload
     assert raw_len == sum(len(p) for p in parts)
     payload = _compress(params, parts) if payload is None else payload
     head = replace(head, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
-    return _Record(encode_record_header(head, params.format_version) + payload, head.count, raw_len)
+    data = encode_record_header(head, params.format_version) + payload
+    return _Record(data, head.count, raw_len, coding=f"{head.kind.name}/{head.coding.name}")
 
 
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
@@ -287,7 +291,8 @@ def encode(
     end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)), version)
     data = b"".join([encode_header(header, version), *(r.data for r in records), end])
     history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
-    return EncodedPatch(data, history)
+    codings = dict(sorted(Counter(r.coding for r in records if r.coding).items()))
+    return EncodedPatch(data, history, codings)
 
 
 def _removal(params: CodecParams, name: str) -> _Record:

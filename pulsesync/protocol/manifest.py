@@ -72,6 +72,9 @@ class PatchCodec(_Strict):
     value_coding: str
     zstd_level: int
     chunk_elements: int
+    # Format 2: records per "KIND/CODING" the encoder chose (`pulsesync inspect` shows them); omitted
+    # from the JSON when None, so format-1 readers accept the manifest.
+    records: dict[str, int] | None = None
 
 
 class AnchorFormat(_Strict):
@@ -121,6 +124,8 @@ class _ManifestBase(_Strict):
         fields = self.model_dump(mode="json")
         if fields.get("reference", False) is None:
             del fields["reference"]
+        if isinstance(fields.get("codec"), dict) and fields["codec"].get("records", False) is None:
+            del fields["codec"]["records"]
         return fields
 
     def signing_payload(self) -> bytes:

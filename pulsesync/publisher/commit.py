@@ -34,6 +34,7 @@ def patch_manifest(
     sizes: Sizes,
     params: CodecParams,
     reference: ObjectRef | None = None,
+    records: dict[str, int] | None = None,
 ) -> PatchManifest:
     """The manifest of a patch from `base` to `step`, in the chain that starts at `anchor_step`."""
     return PatchManifest(
@@ -51,6 +52,7 @@ def patch_manifest(
             value_coding=params.value_coding,
             zstd_level=params.zstd_level,
             chunk_elements=params.chunk_elements,
+            records=records if params.format_version >= 2 else None,
         ),
     )
 

@@ -318,7 +318,15 @@ class AsyncPublisher:
             t2 = time.perf_counter()
             coded_against = self._history_ref if read_header(patch).reference_sha256 is not None else None
             manifest = patch_manifest(
-                snap.step, base, self._schedule.anchor_step, ref, digest, report.sizes(), params, coded_against
+                snap.step,
+                base,
+                self._schedule.anchor_step,
+                ref,
+                digest,
+                report.sizes(),
+                params,
+                coded_against,
+                encoded.codings,
             )
             await self._commit(manifest)
             self._history, self._history_ref = encoded.history, ref
