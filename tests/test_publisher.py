@@ -140,7 +140,7 @@ async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, k
     # A subscriber at step 4 applies patch 6 cleanly and lands bitwise on the trainer's step 6.
     reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
     at4 = await reader.reconstruct(4)
-    digest = await reader.apply(at4.state, at4.digest, patch6)
+    digest = await reader.apply(at4.state, at4.digest, patch6, reference=at4.history)
     assert digest.root == patch6.state_digest.root
     assert_states_equal(at4.state, trainer_states(9)[6])
     await assert_every_step_rebuilds(store, key, trainer_states(9))
