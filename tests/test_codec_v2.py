@@ -6,7 +6,6 @@ publisher and subscribers on the store fixture (a real filesystem and moto's S3 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import itertools
 from collections.abc import Iterator
@@ -302,4 +301,3 @@ async def test_a_format_1_store_is_read_by_the_format_2_subscriber(store: Store,
     assert (await sub.sync(6)).path == "slow"
     assert (await sub.sync(7)).path == "fast"
     assert_states_equal(sub.state, REAL_LIKE[7])
-    assert asyncio.get_running_loop() is not None

@@ -134,11 +134,7 @@ def apply_record(
             chunk.index_copy_(0, index, new_values)
             if history is not None:
                 ordered_deltas = bits.encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
-                history.chunks[key] = ChunkHistory(record.positions, _host(ordered_deltas))
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+                history.chunks[key] = ChunkHistory(record.positions, bits.host(ordered_deltas))
 
 
 def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None, history: PatchHistory | None) -> None:
@@ -150,7 +146,7 @@ def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None
     deltas = record.values
     if h.coding == ValueCoding.EXP_PLANES:  # stored sorted by the old values' magnitude class
         in_order = np.empty_like(deltas)
-        in_order[bits.magnitude_order(_host(old))] = deltas
+        in_order[bits.magnitude_order(bits.host(old))] = deltas
         deltas = in_order
     if record.ref_deltas is not None:
         deltas = bits.wrapping_add(deltas, record.ref_deltas)

@@ -83,6 +83,11 @@ def decode_values_(old: torch.Tensor, coded: torch.Tensor, info: DTypeInfo, codi
     return to_ordered_(old, info)
 
 
+def host(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array on the host (no copy for a CPU tensor)."""
+    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+
+
 def zigzag(signed: np.ndarray) -> np.ndarray:
     """0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (unsigned of the same width; exact, modular)."""
     u = signed.view(NP_UINT_OF_WIDTH[signed.itemsize])

@@ -86,10 +86,6 @@ def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
     return bits.changed_positions(old.numpy(), new.numpy())  # numpy: ~2-4x torch's ne + nonzero on CPU
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
-
-
 @dataclass(frozen=True)
 class _Chunk:
     name: str
@@ -120,20 +116,20 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
     gaps, escapes = bits.encode_positions(positions)
     position_parts = [bits.to_planes(gaps), escapes.astype("<u8").tobytes()]
     if not params.adaptive:
-        coded = _host(bits.encode_values(old_values, new_values, info, coding))
+        coded = bits.host(bits.encode_values(old_values, new_values, info, coding))
         value_parts, value_escapes = _value_parts(coded, coding, offset=1)
         head = RecordHeader(RecordKind.SPARSE, *fields, coding, chunk.start, length, count, escapes.size, value_escapes)
         return _record(params, head, position_parts + value_parts)
-    deltas = _host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
+    deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
     history = (chunk.key, ChunkHistory(positions, deltas))
     zigzags = bits.zigzag(deltas)
-    order = bits.magnitude_order(_host(old_values)) if info.is_float and info.width >= 2 else None
+    order = bits.magnitude_order(bits.host(old_values)) if info.is_float and info.width >= 2 else None
     packed_parts, value_escapes = _value_parts(deltas, ValueCoding.DELTA, offset=1)
     sparse = RecordHeader(RecordKind.SPARSE, *fields, ValueCoding.DELTA, chunk.start, length, count, escapes.size)
     candidates = [
         (replace(sparse, value_escapes=value_escapes), position_parts + packed_parts),
         (replace(sparse, coding=ValueCoding.PLANES), [*position_parts, bits.to_planes(zigzags)]),
-        (replace(sparse, coding=ValueCoding.RAW), [*position_parts, bits.to_planes(_host(new_values))]),
+        (replace(sparse, coding=ValueCoding.RAW), [*position_parts, bits.to_planes(bits.host(new_values))]),
     ]
     if order is not None:
         candidates.append(
@@ -186,7 +182,7 @@ def _encode_dense(params: CodecParams, chunk: _Chunk, count: int) -> _Record:
     codings = [params.coding] if not params.adaptive else [ValueCoding.DELTA, ValueCoding.RAW]
     best: _Record | None = None
     for coding in codings:
-        coded = _host(bits.encode_values(chunk.old, chunk.new, info, coding))
+        coded = bits.host(bits.encode_values(chunk.old, chunk.new, info, coding))
         value_parts, value_escapes = _value_parts(coded, coding, offset=0)
         head = RecordHeader(
             RecordKind.DENSE,
@@ -218,7 +214,7 @@ def _value_parts(coded: np.ndarray, coding: ValueCoding, offset: int) -> tuple[l
 
 def _encode_whole(params: CodecParams, kind: RecordKind, name: str, t: torch.Tensor) -> _Record:
     """ADD or REPLACE record: the full tensor, raw bits."""
-    values = _host(flat_bits(t))
+    values = bits.host(flat_bits(t))
     head = RecordHeader(kind, name, dtype_info(t.dtype), tuple(t.shape), ValueCoding.RAW, 0, values.size, values.size)
     return _record(params, head, [bits.to_planes(values)])
 
@@ -253,6 +249,7 @@ def encode(
     history-coded against it where that is smaller (format 2, adaptive coding).
     """
     params = params or CodecParams()
+    reference = reference if params.adaptive else None  # history coding is part of adaptive coding
     base_digest = base_digest or state_digest(base, params.digest_algorithm, params.threads)
     new_digest = new_digest or state_digest(new, params.digest_algorithm, params.threads)
     if {base_digest.algorithm, new_digest.algorithm} != {params.digest_algorithm}:
@@ -274,7 +271,8 @@ def encode(
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     version = params.format_version
-    uses_reference = reference is not None and params.adaptive
+    # Name the reference only where a record uses it: a reader without it can still decode the rest.
+    coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
     header = PatchHeader(
         value_coding=params.value_coding,
         zstd_level=params.zstd_level,
@@ -286,7 +284,7 @@ def encode(
         decoded_bytes=sum(r.raw_len for r in records),
         changed_elements=sum(r.changed for r in records),
         dense_bytes=sum(t.numel() * t.element_size() for t in new.values()),
-        reference_sha256=reference.sha256 if uses_reference and reference is not None else None,
+        reference_sha256=coded_against.sha256 if coded_against is not None else None,
     )
     end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)), version)
     data = b"".join([encode_header(header, version), *(r.data for r in records), end])
@@ -312,5 +310,5 @@ def _chunk_tasks(
     old, new = flat_bits(old_t), flat_bits(new_t)
     shape, step = tuple(old_t.shape), params.chunk_elements
     chunks = [_Chunk(name, info, shape, s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)]
-    refs = reference.chunks if reference is not None and params.adaptive else {}
+    refs = reference.chunks if reference is not None else {}
     return [partial(_encode_chunk, params, c, refs.get(c.key)) for c in chunks]

@@ -72,11 +72,6 @@ class ValueCoding(enum.IntEnum):
         """Small-integer codings are stored as 2-bit codes plus escaped full values."""
         return self in (ValueCoding.DELTA, ValueCoding.XOR)
 
-    @property
-    def zigzag_delta(self) -> bool:
-        """The stored values are zigzags of ordered differences (the decoder adds them to the old values)."""
-        return self in (ValueCoding.DELTA, ValueCoding.PLANES, ValueCoding.EXP_PLANES)
-
 
 V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
 V2_KINDS = (RecordKind.HISTORY,)

@@ -316,7 +316,7 @@ class AsyncPublisher:
             t1 = time.perf_counter()
             await self.store.put(key, patch)
             t2 = time.perf_counter()
-            coded_against = self._history_ref if read_header(patch).reference_sha256 is not None else None
+            coded_against = self._history_ref if header.reference_sha256 is not None else None
             manifest = patch_manifest(
                 snap.step,
                 base,
