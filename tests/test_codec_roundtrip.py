@@ -253,6 +253,51 @@ def test_positions_kernel_matches_the_numpy_decoder(positions: list[int], length
         assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
 
 
+@pytest.mark.skipif(fused.decode_gap_codes is None, reason="numba is not installed")
+@given(
+    positions=st.lists(st.integers(0, 2**30 - 1), max_size=60, unique=True).map(sorted),
+    length=st.sampled_from([1, 70_000, 2**30 - 1, 2**30]),
+    corrupt=st.sampled_from(["none", "code", "short", "long", "padding", "flip"]),
+    at=st.integers(0, 2**16),
+)
+def test_gap_codes_kernel_matches_the_numpy_decoder(positions: list[int], length: int, corrupt: str, at: int) -> None:
+    """Same bytes from both encoders; same positions, or the same error message, from both decoders."""
+    codes, extra_bytes = bits.encode_gap_codes(np.array(positions, np.int64))
+    fused.enabled = False
+    try:
+        numpy_codes, numpy_extra = bits.encode_gap_codes(np.array(positions, np.int64))
+    finally:
+        fused.enabled = True
+    assert np.array_equal(codes, numpy_codes) and extra_bytes == numpy_extra
+    extra = np.frombuffer(extra_bytes, np.uint8).copy()
+    if corrupt == "code" and codes.size:
+        codes[at % codes.size] = 255
+    elif corrupt == "short":
+        extra = extra[:-1]
+    elif corrupt == "long":
+        extra = np.append(extra, np.uint8(0))
+    elif corrupt == "padding" and extra.size:
+        extra[-1] |= 0x80
+    elif corrupt == "flip" and extra.size:
+        extra[at % extra.size] ^= 1 << (at % 8)
+    outcomes: list[np.ndarray | str] = []
+    for kernels in (True, False):
+        fused.enabled = kernels
+        try:
+            outcomes.append(bits.decode_gap_codes(codes, codes.size, extra, length, "record"))
+        except CorruptPatchError as e:
+            outcomes.append(str(e))
+        finally:
+            fused.enabled = True
+    kernel, numpy_path = outcomes
+    if isinstance(kernel, str) or isinstance(numpy_path, str):
+        assert kernel == numpy_path
+    else:
+        assert np.array_equal(kernel, numpy_path)
+    if corrupt == "none" and max(positions, default=-1) < length:
+        assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["numba-if-installed", "numpy"])
 def test_escape_count_is_checked_the_same_on_both_paths(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "enabled", fused.enabled and kernels)

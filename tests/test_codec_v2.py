@@ -30,7 +30,7 @@ from pulsesync.codec import (
     read_header,
 )
 from pulsesync.codec.baseline import pulse_encode
-from pulsesync.codec.format import RECORD_FIXED_V2, parse_header
+from pulsesync.codec.format import RECORD_FIXED_V2, PositionCoding, parse_header
 from pulsesync.errors import MissingReferenceError, PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.publisher import AsyncPublisher
@@ -70,8 +70,8 @@ def _apply(state: State, patch: bytes, reference: PatchHistory | None) -> tuple[
     return work, history
 
 
-def _kinds(patch: bytes) -> set[tuple[RecordKind, ValueCoding]]:
-    return {(h.kind, h.coding) for h, _ in PatchDecoder().split(patch)}
+def _kinds(patch: bytes) -> set[tuple[RecordKind, ValueCoding, PositionCoding]]:
+    return {(h.kind, h.coding, h.positions) for h, _ in PatchDecoder().split(patch)}
 
 
 def _assert_same_history(a: PatchHistory, b: PatchHistory) -> None:
@@ -160,8 +160,19 @@ def _coverage_patches() -> list[tuple[State, bytes, PatchHistory | None]]:
     noisy = torch.randint(-(2**15), 2**15, (4096,), dtype=torch.int16, generator=gen).view(torch.bfloat16)
     one_ulp = (old.view(torch.int16) + (torch.rand(4096, generator=gen) < 0.02).to(torch.int16)).view(torch.bfloat16)
     every_ulp = (old.view(torch.int16) + 1).view(torch.bfloat16)
-    for new in (noisy, every_ulp, one_ulp):  # dense random, dense +1 ULP, sparse +1 ULP
+    # Every 256th element may change: u16 gaps whose low byte is constant beat gap codes.
+    aligned = old.view(torch.int16).clone()
+    aligned[::256] += (torch.rand(16, generator=gen) < 0.5).to(torch.int16)
+    for new in (noisy, every_ulp, one_ulp, aligned.view(torch.bfloat16)):  # dense random, dense/sparse +1 ULP
         out.append(({"t": old}, encode({"t": old}, {"t": new}).data, None))
+    # Integers: plain PLANES values, history-coded too.
+    ints = [torch.randint(-(2**15), 2**15, (4096,), dtype=torch.int16, generator=gen)]
+    recurring = torch.rand(4096, generator=gen) < 0.05
+    for _ in range(2):
+        ints.append(ints[-1] + torch.randint(-200, 200, (4096,), dtype=torch.int16, generator=gen) * recurring)
+    first = encode({"t": ints[0]}, {"t": ints[1]})
+    out.append(({"t": ints[0]}, first.data, None))
+    out.append(({"t": ints[1]}, encode({"t": ints[1]}, {"t": ints[2]}, reference=first.history).data, first.history))
     return out
 
 
@@ -171,14 +182,20 @@ def test_the_coverage_patches_hold_every_record_kind() -> None:
         (RecordKind.HISTORY, ValueCoding.EXP_PLANES),
         (RecordKind.HISTORY, ValueCoding.PLANES),
         (RecordKind.SPARSE, ValueCoding.EXP_PLANES),
+        (RecordKind.SPARSE, ValueCoding.PLANES),
         (RecordKind.SPARSE, ValueCoding.DELTA),
+        (RecordKind.SPARSE, ValueCoding.RAW),
         (RecordKind.DENSE, ValueCoding.RAW),
         (RecordKind.DENSE, ValueCoding.DELTA),
     }
-    assert expected <= kinds, expected - kinds
+    assert expected <= {(kind, coding) for kind, coding, _ in kinds}, expected
+    position_codings = {(kind, positions) for kind, _, positions in kinds}
+    assert {(kind, positions) for kind in (RecordKind.SPARSE, RecordKind.HISTORY) for positions in PositionCoding} <= (
+        position_codings
+    )
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(len(_coverage_patches())))
 def test_any_flipped_byte_is_an_error_and_the_state_rolls_back(kernel: str, index: int) -> None:
     """Corruption anywhere in a format-2 patch: a pulsesync error (never another exception); undo restores the state."""
     base, patch, reference = _coverage_patches()[index]
@@ -215,7 +232,7 @@ def test_format_1_is_written_on_request_and_read_by_format_2() -> None:
     for old, new, patch in ((states[0], states[1], first.data), (states[1], states[2], second.data)):
         parsed = parse_header(patch)
         assert parsed is not None and parsed[2] == 1
-        assert {k for k, _ in _kinds(patch)} <= {RecordKind.SPARSE, RecordKind.DENSE}
+        assert {k for k, _, _ in _kinds(patch)} <= {RecordKind.SPARSE, RecordKind.DENSE}
         assert_states_equal(_apply(old, patch, None)[0], new)
 
 

@@ -18,7 +18,7 @@ import torch
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import V2_CODINGS, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.history import ChunkHistory, PatchHistory
-from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record
+from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_planes, decode_record
 from pulsesync.digest import StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
 from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError, MissingReferenceError
@@ -140,10 +140,23 @@ def apply_record(
 def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None, history: PatchHistory | None) -> None:
     """Apply a format-2 SPARSE or HISTORY record: signed ordered deltas at positions."""
     h = record.header
-    assert record.positions is not None and record.values is not None
+    assert record.positions is not None
+    key = (h.name, h.start, h.length)
+    if record.planes is not None and chunk.device.type == "cpu" and fused.apply_planes_2byte is not None:
+        positions = record.positions
+        old_values, deltas = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
+        ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
+        by_class = h.coding == ValueCoding.EXP_PLANES
+        fused.apply_planes_2byte(chunk.numpy(), positions, record.planes, by_class, ref_deltas, old_values, deltas)
+        if undo is not None:
+            undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old_values)))
+        if history is not None:
+            history.chunks[key] = ChunkHistory(record.positions, deltas)
+        return
     index = torch.from_numpy(record.positions).to(chunk.device)
     old = chunk.index_select(0, index)
-    deltas = record.values
+    deltas = record.values if record.planes is None else decode_planes(record.planes, h)
+    assert deltas is not None
     if h.coding == ValueCoding.EXP_PLANES:  # stored sorted by the old values' magnitude class
         in_order = np.empty_like(deltas)
         in_order[bits.magnitude_order(bits.host(old))] = deltas
@@ -155,7 +168,7 @@ def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None
     coded = torch.from_numpy(deltas).to(chunk.device)
     chunk.index_copy_(0, index, bits.decode_values_(old, coded, h.info, ValueCoding.DELTA))
     if history is not None:
-        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(record.positions, deltas)
+        history.chunks[key] = ChunkHistory(record.positions, deltas)
 
 
 def _kept(base: StateDigest, state: MutableMapping[str, torch.Tensor], name: str) -> TensorDigest:

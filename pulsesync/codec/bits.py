@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pulsesync.codec import fused
-from pulsesync.codec.format import ESCAPE, SMALL_ESCAPE, ValueCoding
+from pulsesync.codec.format import ESCAPE, GAP_DIRECT, MAX_GAP_CODE, SMALL_ESCAPE, ValueCoding
 from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH, DTypeInfo
 from pulsesync.errors import CorruptPatchError
 
@@ -105,9 +105,16 @@ def unzigzag(u: np.ndarray, signed: type[np.integer]) -> np.ndarray:
 
 def to_planes(values: np.ndarray) -> bytes:
     """Byte-plane layout: all lowest bytes, then all next bytes, ... (compresses far better)."""
+    return b"".join(plane_list(values))
+
+
+def plane_list(values: np.ndarray) -> list[bytes]:
+    """to_planes as one bytes object per plane (the encoder compresses each in a block of its own)."""
     width = values.dtype.itemsize
-    planes = values if width == 1 else values.view(np.uint8).reshape(-1, width).T
-    return bytes(planes.tobytes())
+    if width == 1:
+        return [values.tobytes()]
+    planes = values.view(np.uint8).reshape(-1, width)
+    return [planes[:, j].tobytes() for j in range(width)]
 
 
 def from_planes(buf: np.ndarray, count: int, dtype: type[np.integer]) -> np.ndarray:
@@ -262,6 +269,96 @@ def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length
     if positions.size and int(positions[-1]) >= length:
         raise CorruptPatchError(f"{where}: position {int(positions[-1])} is outside the chunk of {length}")
     return positions
+
+
+def _gap_code_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per GAP_CODES code: its extra bits and the gap it codes with extra bits zero (codes past MAX_GAP_CODE: 0)."""
+    extra, base = np.zeros(256, np.int64), np.zeros(256, np.int64)
+    base[:GAP_DIRECT] = np.arange(GAP_DIRECT)
+    for code in range(GAP_DIRECT, MAX_GAP_CODE + 1):
+        bit_length, top = 4 + (code - GAP_DIRECT) // 4, (code - GAP_DIRECT) % 4
+        extra[code], base[code] = bit_length - 3, (4 + top) << (bit_length - 3)
+    return extra, base
+
+
+GAP_EXTRA_BITS, GAP_BASE = _gap_code_tables()
+_EXTRA_BYTES_SPANNED = 5  # MAX_GAP_BITS - 3 extra bits at a bit offset of up to 7 (the decoder's window)
+
+
+def encode_gap_codes(positions: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """Sorted, distinct chunk-relative positions -> (one u8 code per gap, the extra-bits stream).
+
+    The codes carry each gap's bit length and top bits (what zstd's Huffman stage can model); the
+    low bits, close to uniform, are packed LSB first with no byte alignment (format.GAP_DIRECT).
+    One pass of numba's kernel where installed, else numpy (the same bytes).
+    """
+    if fused.enabled and fused.encode_gap_codes is not None:
+        codes, extra_bytes = np.empty(positions.size, np.uint8), np.empty(4 * positions.size + 1, np.uint8)
+        used = fused.encode_gap_codes(positions, codes, extra_bytes)
+        return codes, extra_bytes[:used].tobytes()
+    gaps = np.diff(positions, prepend=-1) - 1
+    bit_length = np.frexp(gaps.astype(np.float64))[1].astype(np.int64)  # exact below 2**53
+    extra = np.maximum(bit_length - 3, 0)
+    codes = np.where(gaps >= GAP_DIRECT, GAP_DIRECT + 4 * (bit_length - 4) + ((gaps >> extra) & 3), gaps)
+    low = gaps & ((np.int64(1) << extra) - 1)
+    ends = np.cumsum(extra)
+    if not ends.size or not ends[-1]:
+        return codes.astype(np.uint8), b""
+    # Offsets only grow, so the fields starting in one 64-bit word are a run: OR each run together,
+    # then OR in the high part of the (at most one) field that spills over from the word before.
+    offsets = (ends - extra).view(np.uint64)
+    word, shift = offsets >> np.uint64(6), offsets & np.uint64(63)
+    low = low.view(np.uint64)
+    words = np.zeros(int(word[-1]) + 2, np.uint64)
+    runs = np.flatnonzero(np.diff(word, prepend=np.uint64(2**63)))
+    words[word[runs]] = np.bitwise_or.reduceat(low << shift, runs)
+    spill = shift + extra.view(np.uint64) > np.uint64(64)
+    words[word[spill] + np.uint64(1)] |= low[spill] >> (np.uint64(64) - shift[spill])
+    return codes.astype(np.uint8), words.view(np.uint8)[: (int(ends[-1]) + 7) // 8].tobytes()
+
+
+_GAP_CODE_INVALID = f"a position gap code is above {MAX_GAP_CODE}"
+_GAP_EXTRA_MISMATCH = "the extra-bits stream does not match the gap codes"
+
+
+def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: int, where: str) -> np.ndarray:
+    """Inverse of encode_gap_codes, checking every code, the stream's size and padding, and that every
+    position lies in [0, length). One pass of numba's kernel where installed, else numpy."""
+    codes = codes[:count]
+    if fused.enabled and fused.decode_gap_codes is not None:
+        positions = np.empty(count, np.int64)
+        status = fused.decode_gap_codes(codes, extra, length, positions)
+        if status != fused.POSITIONS_OK:
+            raise CorruptPatchError(f"{where}: {_GAP_CODE_ERRORS[status].format(length=length)}")
+        return positions
+    if codes.size and int(codes.max()) > MAX_GAP_CODE:
+        raise CorruptPatchError(f"{where}: {_GAP_CODE_INVALID}")
+    nbits = GAP_EXTRA_BITS[codes]
+    ends = np.cumsum(nbits)
+    total = int(ends[-1]) if ends.size else 0
+    if (total + 7) // 8 != extra.size or (total % 8 and int(extra[-1]) >> (total % 8)):
+        raise CorruptPatchError(f"{where}: {_GAP_EXTRA_MISMATCH}")
+    offsets = ends - nbits
+    padded = np.concatenate([extra, np.zeros(_EXTRA_BYTES_SPANNED, np.uint8)]).astype(np.int64)
+    byte = offsets >> 3
+    window = padded[byte]
+    for j in range(1, _EXTRA_BYTES_SPANNED):
+        window |= padded[byte + j] << (8 * j)
+    gaps = GAP_BASE[codes] + ((window >> (offsets & 7)) & ((np.int64(1) << nbits) - 1))
+    # Every gap is below 2**32 and there are at most 2**30: the cumulative sum cannot overflow.
+    gaps += 1
+    positions = np.cumsum(gaps, out=gaps)
+    positions -= 1
+    if positions.size and int(positions[-1]) >= length:
+        raise CorruptPatchError(f"{where}: {_GAP_CODE_ERRORS[fused.POSITIONS_OUTSIDE].format(length=length)}")
+    return positions
+
+
+_GAP_CODE_ERRORS = {
+    fused.POSITIONS_GAP_CODE_INVALID: _GAP_CODE_INVALID,
+    fused.POSITIONS_ESCAPES_MISMATCH: _GAP_EXTRA_MISMATCH,
+    fused.POSITIONS_OUTSIDE: "a position is outside the chunk of {length}",
+}
 
 
 def magnitude_class(old: np.ndarray) -> np.ndarray:

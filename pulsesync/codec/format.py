@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,8 +31,8 @@ HEADER_CHECKSUM = struct.Struct("<Q")
 RECORD_MAGIC = b"PR"
 # magic kind dtype ndim coding name_len start length count escapes value_escapes raw_len comp_len payload_hash
 RECORD_FIXED_V1 = struct.Struct("<2sBBBBHQQQQQQQQ")
-# version 2 appends ref_count new_count (HISTORY records; zero in every other kind)
-RECORD_FIXED_V2 = struct.Struct("<2sBBBBHQQQQQQQQQQ")
+# version 2 appends ref_count new_count (HISTORY records; zero in every other kind) and the position coding
+RECORD_FIXED_V2 = struct.Struct("<2sBBBBHQQQQQQQQQQB")
 RECORD_FIXED = {1: RECORD_FIXED_V1, 2: RECORD_FIXED_V2}
 RECORD_CHECKSUM = struct.Struct("<I")
 
@@ -44,6 +44,12 @@ MAX_NDIM = 32
 MAX_NUMEL = 1 << 50
 ESCAPE = 0xFFFF  # a u16 gap of this value means "the real gap is in the escape list"
 SMALL_ESCAPE = 3  # a 2-bit value code of this value means "the value is in the escape planes"
+# GAP_CODES: gaps below GAP_DIRECT are their own code; a gap of b >= 4 bits codes as
+# GAP_DIRECT + 4 (b - 4) + its 2 bits below the top one, followed by its low b - 3 bits in the
+# extra-bits stream. Gaps are below a chunk's length (< 2**30): at most MAX_GAP_BITS bits.
+GAP_DIRECT = 8
+MAX_GAP_BITS = 32
+MAX_GAP_CODE = GAP_DIRECT + 4 * (MAX_GAP_BITS - 4) + 3
 
 
 class RecordKind(enum.IntEnum):
@@ -73,10 +79,18 @@ class ValueCoding(enum.IntEnum):
         return self in (ValueCoding.DELTA, ValueCoding.XOR)
 
 
+class PositionCoding(enum.IntEnum):
+    """How a SPARSE or HISTORY record stores its changed positions (as gaps: p_i - p_(i-1) - 1)."""
+
+    GAPS16 = 0  # u16 gaps in two byte planes; gaps >= ESCAPE also in full in a u64 escape list (format 1)
+    GAP_CODES = 1  # (v2) one byte per gap: its bit length and top bits; its low bits in an extra-bits stream
+
+
 V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
 V2_KINDS = (RecordKind.HISTORY,)
 _KIND_VALUES = frozenset(k.value for k in RecordKind)
 _CODING_VALUES = frozenset(c.value for c in ValueCoding)
+_POSITION_CODING_VALUES = frozenset(c.value for c in PositionCoding)
 
 
 class PatchHeader(BaseModel):
@@ -110,13 +124,14 @@ class RecordHeader:
     start: int = 0
     length: int = 0
     count: int = 0  # changed elements (END: number of records before it)
-    escapes: int = 0  # position gaps too large for u16
+    escapes: int = 0  # GAPS16: gaps too large for u16; GAP_CODES: bytes of the extra-bits stream
     value_escapes: int = 0  # packed values too large for a 2-bit code
     raw_len: int = 0
     comp_len: int = 0
     payload_hash: int = 0  # xxh3-64 of the compressed payload
     ref_count: int = 0  # HISTORY: changed positions of the reference's chunk (bits of the "again" bitmap)
     new_count: int = 0  # HISTORY: changed positions not in the reference (coded as gaps)
+    positions: PositionCoding = PositionCoding.GAPS16  # (v2) SPARSE, HISTORY: how the gaps are stored
 
     @property
     def info(self) -> DTypeInfo:
@@ -181,13 +196,18 @@ def values_len(coding: ValueCoding, width: int, n: int, value_escapes: int) -> i
     return (n + 3) // 4 + width * value_escapes if coding.packed else width * n
 
 
+def positions_len(h: RecordHeader, gaps: int) -> int:
+    """Bytes of `gaps` coded position gaps."""
+    return gaps + h.escapes if h.positions == PositionCoding.GAP_CODES else 2 * gaps + 8 * h.escapes
+
+
 def raw_len_for(h: RecordHeader) -> int:
     """Exact decompressed payload size a record's fields imply."""
     kind, coding, width, count = h.kind, h.coding, h.info.width if h.dtype else 0, h.count
     if kind == RecordKind.SPARSE:
-        return 2 * count + 8 * h.escapes + values_len(coding, width, count, h.value_escapes)
+        return positions_len(h, count) + values_len(coding, width, count, h.value_escapes)
     if kind == RecordKind.HISTORY:
-        return (h.ref_count + 7) // 8 + 2 * h.new_count + 8 * h.escapes + width * count
+        return (h.ref_count + 7) // 8 + positions_len(h, h.new_count) + width * count
     if kind in (RecordKind.DENSE, RecordKind.ADD, RecordKind.REPLACE):
         return values_len(coding, width, h.length, h.value_escapes)
     return 0
@@ -196,7 +216,7 @@ def raw_len_for(h: RecordHeader) -> int:
 def encode_record_header(h: RecordHeader, version: int = FORMAT_VERSION) -> bytes:
     """Fixed fields, name, shape and checksum of one record."""
     name_bytes = h.name.encode("utf-8")
-    extra = (h.ref_count, h.new_count) if version >= 2 else ()
+    extra = (h.ref_count, h.new_count, h.positions) if version >= 2 else ()
     fixed = RECORD_FIXED[version].pack(
         RECORD_MAGIC,
         h.kind,
@@ -234,6 +254,7 @@ def parse_record_header(
     if len(buf) - offset < fixed_struct.size:
         return None
     (magic, kind, dcode, ndim, coding, name_len, *sizes) = fixed_struct.unpack_from(buf, offset)
+    position_coding = sizes.pop() if version >= 2 else PositionCoding.GAPS16
     where = f"record at byte {offset}"
     if magic != RECORD_MAGIC:
         raise CorruptPatchError(f"{where}: bad record magic (corrupted or misaligned patch)")
@@ -253,14 +274,17 @@ def parse_record_header(
         raise CorruptPatchError(f"{where}: tensor name is not UTF-8") from None
     shape = struct.unpack_from(f"<{ndim}Q", buf, name_start + name_len)
     where = f"record for tensor {name!r}"
-    known = kind in _KIND_VALUES and coding in _CODING_VALUES
+    known = kind in _KIND_VALUES and coding in _CODING_VALUES and position_coding in _POSITION_CODING_VALUES
     if not known or (version == 1 and (kind in V2_KINDS or coding in V2_CODINGS)):
-        raise CorruptPatchError(f"{where}: unknown record kind {kind} or value coding {coding} (format {version})")
+        raise CorruptPatchError(
+            f"{where}: unknown record kind {kind}, value coding {coding} or position coding {position_coding} "
+            f"(format {version})"
+        )
     rkind, rcoding = RecordKind(kind), ValueCoding(coding)
     info = dtype_by_code(dcode)
     if info is None and rkind not in (RecordKind.END, RecordKind.REMOVE):
         raise CorruptPatchError(f"{where}: unknown dtype code {dcode}")
-    header = RecordHeader(rkind, name, info, shape, rcoding, *sizes)
+    header = replace(RecordHeader(rkind, name, info, shape, rcoding, *sizes), positions=PositionCoding(position_coding))
     _check_record(header, where)
     return header, body_end + RECORD_CHECKSUM.size
 
@@ -280,12 +304,18 @@ def _check_record(h: RecordHeader, where: str) -> None:
         raise CorruptPatchError(
             f"{where}: chunk [{h.start}, {h.start + h.length}) is outside the tensor of {numel} elements"
         )
-    if h.kind in (RecordKind.SPARSE, RecordKind.HISTORY) and not (0 < h.count <= h.length and h.escapes <= h.count):
+    sparse = h.kind in (RecordKind.SPARSE, RecordKind.HISTORY)
+    # GAP_CODES: at most MAX_GAP_BITS - 3 extra bits per gap; GAPS16: at most one escape per gap
+    escapes_per_gap = (MAX_GAP_BITS - 3 + 7) // 8 if h.positions == PositionCoding.GAP_CODES else 1
+    if sparse and not (0 < h.count <= h.length and h.escapes <= escapes_per_gap * h.count):
         raise CorruptPatchError(
             f"{where}: {h.count} changed elements / {h.escapes} escapes do not fit a chunk of {h.length}"
         )
+    if h.positions != PositionCoding.GAPS16 and not sparse:
+        raise CorruptPatchError(f"{where}: a {h.kind.name} record has no positions to code")
     if h.kind == RecordKind.HISTORY:
-        if h.coding not in V2_CODINGS or not (h.escapes <= h.new_count <= h.count <= h.new_count + h.ref_count):
+        counts_fit = h.escapes <= escapes_per_gap * h.new_count and h.new_count <= h.count <= h.new_count + h.ref_count
+        if h.coding not in V2_CODINGS or not counts_fit:
             raise CorruptPatchError(
                 f"{where}: HISTORY record with coding {h.coding.name}, {h.count} changed, "
                 f"{h.new_count} new, {h.ref_count} reference positions, {h.escapes} escapes is inconsistent"

@@ -16,12 +16,13 @@ both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from pulsesync.codec.format import ESCAPE, SMALL_ESCAPE
+from pulsesync.codec.format import ESCAPE, GAP_DIRECT, MAX_GAP_CODE, SMALL_ESCAPE
 
 try:
     import numba
@@ -30,6 +31,7 @@ except ImportError:  # pragma: no cover - exercised where numba is not installed
 
 
 POSITIONS_OK, POSITIONS_ESCAPES_MISMATCH, POSITIONS_GAP_OUTSIDE, POSITIONS_OUTSIDE = 0, 1, 2, 3
+POSITIONS_GAP_CODE_INVALID = 4
 
 
 def _decode_positions(planes: Any, count: int, escapes: Any, length: int, out: Any) -> int:
@@ -56,6 +58,73 @@ def _decode_positions(planes: Any, count: int, escapes: Any, length: int, out: A
             return POSITIONS_OUTSIDE
         out[i] = p
     return POSITIONS_OK if k == escapes.size else POSITIONS_ESCAPES_MISMATCH
+
+
+def _decode_gap_codes(codes: Any, extra: Any, length: int, out: Any) -> int:
+    """out[i] = p_i from GAP_CODES (as bits.decode_gap_codes); a status code.
+
+    First every code is checked and the extra bits they need counted against the stream (its size
+    and zero padding): POSITIONS_GAP_CODE_INVALID, POSITIONS_ESCAPES_MISMATCH. Then one pass reads
+    the extra bits LSB first; POSITIONS_OUTSIDE when a position is not below `length`.
+    """
+    total = 0
+    for i in range(codes.size):
+        code = np.int64(codes[i])
+        if code > MAX_GAP_CODE:
+            return POSITIONS_GAP_CODE_INVALID
+        if code >= GAP_DIRECT:
+            total += (code - GAP_DIRECT) // 4 + 1
+    if (total + 7) // 8 != extra.size or (total % 8 != 0 and (np.int64(extra[extra.size - 1]) >> (total % 8)) != 0):
+        return POSITIONS_ESCAPES_MISMATCH
+    acc = np.int64(0)
+    have = 0
+    k = 0
+    p = np.int64(-1)
+    for i in range(codes.size):
+        code = np.int64(codes[i])
+        if code < GAP_DIRECT:
+            gap = code
+        else:
+            nbits = (code - GAP_DIRECT) // 4 + 1
+            while have < nbits:
+                acc |= np.int64(extra[k]) << have
+                k += 1
+                have += 8
+            gap = ((4 + ((code - GAP_DIRECT) & 3)) << nbits) | (acc & ((np.int64(1) << nbits) - 1))
+            acc >>= nbits
+            have -= nbits
+        p += gap + 1
+        if p >= length:
+            return POSITIONS_OUTSIDE
+        out[i] = p
+    return POSITIONS_OK
+
+
+def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
+    """GAP_CODES of sorted positions into codes (one per position) and extra (bytes); the bytes of extra used."""
+    acc = np.int64(0)
+    have = 0
+    k = 0
+    previous = np.int64(-1)
+    for i in range(positions.size):
+        gap = positions[i] - previous - 1
+        previous = positions[i]
+        if gap < GAP_DIRECT:
+            codes[i] = gap
+            continue
+        nbits = math.frexp(float(gap))[1] - 3  # bit length - 3 (exact: gaps are far below 2**53)
+        codes[i] = GAP_DIRECT + 4 * (nbits - 1) + ((gap >> nbits) & 3)
+        acc |= (gap & ((np.int64(1) << nbits) - 1)) << have
+        have += nbits
+        while have >= 8:
+            extra[k] = acc & 0xFF
+            acc >>= 8
+            have -= 8
+            k += 1
+    if have > 0:
+        extra[k] = acc
+        k += 1
+    return k
 
 
 def _count_escape_codes(packed: Any, count: int) -> int:
@@ -96,18 +165,91 @@ def _apply_delta_2byte(chunk: Any, positions: Any, packed: Any, escapes: Any, ol
             chunk[positions[i]] = np.int16(s ^ ((s >> 15) & 0x7FFF))
 
 
+def _apply_planes_2byte(
+    chunk: Any, positions: Any, planes: Any, by_class: bool, ref_deltas: Any, old_out: Any, deltas_out: Any
+) -> None:
+    """Format 2's PLANES/EXP_PLANES values of a 2-byte float chunk: chunk[p_i] += delta_i in value order.
+
+    delta_i = unzigzag of the two byte planes, taken in magnitude-class order of the old values
+    where `by_class` (EXP_PLANES: a counting sort, stable, as bits.magnitude_order), plus
+    ref_deltas[i] when given (HISTORY records; empty otherwise). Old values go to old_out (undo
+    log), deltas in position order to deltas_out (the subscriber's history).
+    """
+    n = positions.size
+    for start in range(0, n, _BLOCK):  # gather ahead: independent loads the CPU overlaps
+        for i in range(start, min(n, start + _BLOCK)):
+            old_out[i] = chunk[positions[i]]
+    next_in_class = np.zeros(257, np.int64)
+    if by_class:
+        for i in range(n):
+            next_in_class[((np.int32(old_out[i]) >> 7) & 0xFF) + 1] += 1
+        for c in range(256):
+            next_in_class[c + 1] += next_in_class[c]
+    for i in range(n):
+        j = i
+        if by_class:
+            c = (np.int32(old_out[i]) >> 7) & 0xFF
+            j = next_in_class[c]
+            next_in_class[c] += 1
+        z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
+        delta = (z >> 1) ^ -(z & 1)
+        if ref_deltas.size:
+            delta += np.int32(ref_deltas[i])
+        delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
+        deltas_out[i] = delta
+        old = np.int32(old_out[i])
+        ordered = old ^ ((old >> 15) & 0x7FFF)
+        s = ((ordered + delta + 32768) & 0xFFFF) - 32768
+        chunk[positions[i]] = np.int16(s ^ ((s >> 15) & 0x7FFF))
+
+
+def _merge_history(
+    ref_positions: Any, ref_deltas: Any, again: Any, fresh: Any, positions_out: Any, ref_out: Any
+) -> bool:
+    """Merge the reference positions that changed again with the new ones (both sorted) into
+    positions_out, and their reference deltas (0 for new ones) into ref_out; False if a new
+    position repeats a reference one."""
+    i = j = k = 0
+    while True:
+        while i < ref_positions.size and not again[i]:
+            i += 1
+        if i < ref_positions.size and (j == fresh.size or ref_positions[i] < fresh[j]):
+            positions_out[k], ref_out[k] = ref_positions[i], ref_deltas[i]
+            i += 1
+        elif j < fresh.size:
+            if i < ref_positions.size and ref_positions[i] == fresh[j]:
+                return False
+            positions_out[k], ref_out[k] = fresh[j], 0
+            j += 1
+        else:
+            return True
+        k += 1
+
+
 _njit = numba.njit(cache=True, nogil=True, boundscheck=False) if numba is not None else None
 apply_delta_2byte: Callable[[Any, Any, Any, Any, Any], None] | None = _njit(_apply_delta_2byte) if _njit else None
 decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decode_positions) if _njit else None
 count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes) if _njit else None
+decode_gap_codes: Callable[[Any, Any, int, Any], int] | None = _njit(_decode_gap_codes) if _njit else None
+encode_gap_codes: Callable[[Any, Any, Any], int] | None = _njit(_encode_gap_codes) if _njit else None
+apply_planes_2byte: Callable[..., None] | None = _njit(_apply_planes_2byte) if _njit else None
+merge_history: Callable[..., bool] | None = _njit(_merge_history) if _njit else None
 enabled = numba is not None  # tests switch it off to compare with the numpy path
 
 
 def warm_up() -> None:
     """Load (or compile) every kernel now: their first call otherwise costs ~0.5 s inside a sync."""
-    if not enabled or apply_delta_2byte is None or decode_positions is None or count_escape_codes is None:
+    if not enabled or numba is None:
         return
-    planes, escapes, positions = np.zeros(2, np.uint8), np.zeros(0, np.uint64), np.empty(1, np.int64)
+    assert apply_delta_2byte and decode_positions and count_escape_codes and decode_gap_codes and encode_gap_codes
+    assert apply_planes_2byte and merge_history
+    # Payload buffers are read-only views of the decompressed bytes: numba compiles those apart.
+    planes, escapes, positions = np.frombuffer(bytes(2), np.uint8), np.zeros(0, np.uint64), np.zeros(1, np.int64)
     decode_positions(planes, 1, escapes, 1, positions)
+    decode_gap_codes(planes[:1], planes[:0], 1, positions)
+    encode_gap_codes(positions, np.empty(1, np.uint8), np.empty(5, np.uint8))
     count_escape_codes(planes, 1)
-    apply_delta_2byte(np.zeros(1, np.int16), positions, planes[:1], np.zeros(0, np.uint16), np.empty(1, np.int16))
+    chunk, old, deltas = np.zeros(1, np.int16), np.empty(1, np.int16), np.empty(1, np.int16)
+    apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old)
+    apply_planes_2byte(chunk, positions, planes, True, np.empty(0, np.int16), old, deltas)
+    merge_history(positions, deltas, np.ones(1, bool), positions[:0], positions.copy(), deltas.copy())

@@ -19,12 +19,14 @@ from pulsesync.codec.format import (
     FORMAT_VERSION,
     V2_CODINGS,
     PatchHeader,
+    PositionCoding,
     RecordHeader,
     RecordKind,
     ValueCoding,
     parse_header,
     parse_record_header,
     payload_hash,
+    positions_len,
 )
 from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH
 
@@ -56,6 +58,9 @@ class PatchRecord:
     # HISTORY records: each position's delta in the reference patch (0 where it is new), added to
     # the decoded residuals once they are back in position order.
     ref_deltas: np.ndarray | None = None
+    # Format-2 PLANES/EXP_PLANES records of 2-byte floats: the zigzag byte planes, left for the
+    # fused kernel (values is None, as for `packed`).
+    planes: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -88,10 +93,11 @@ def decode_record(
         return _decode_history(buf, h, reference, where)
     if h.kind != RecordKind.SPARSE:
         return PatchRecord(h, None, _decode_value_stream(buf, h, h.length, 0, where))
-    n, gaps_end = h.count, 2 * h.count
-    escapes_end = gaps_end + 8 * h.escapes
-    positions = bits.decode_positions(buf[:gaps_end], n, buf[gaps_end:escapes_end].view("<u8"), h.length, where)
-    values = buf[escapes_end:]
+    n = h.count
+    positions = _decode_positions(buf, h, n, where)
+    values = buf[positions_len(h, n) :]
+    if _fused_planes(h):
+        return PatchRecord(h, positions, None, planes=values)
     if fused.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
         packed_len = (n + 3) // 4
         escaped = bits.from_planes(values[packed_len:], h.value_escapes, np.uint16)
@@ -110,22 +116,48 @@ def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | 
     if again[h.ref_count :].any() or int(np.count_nonzero(again)) != h.count - h.new_count:
         raise CorruptPatchError(f"{where}: the reference bitmap does not mark {h.count - h.new_count} positions")
     again = again[: h.ref_count]
-    gaps_end = bitmap_len + 2 * h.new_count
-    escapes_end = gaps_end + 8 * h.escapes
-    fresh = bits.decode_positions(
-        buf[bitmap_len:gaps_end], h.new_count, buf[gaps_end:escapes_end].view("<u8"), h.length, where
-    )
-    positions = np.concatenate([reference.positions[again], fresh])
-    order = np.argsort(positions, kind="stable")
-    positions = positions[order]
-    if positions.size > 1 and not bool((positions[1:] > positions[:-1]).all()):
+    fresh = _decode_positions(buf[bitmap_len:], h, h.new_count, where)
+    values = buf[bitmap_len + positions_len(h, h.new_count) :]
+    if reference.deltas.dtype != NP_INT_OF_WIDTH[h.info.width]:
+        raise CorruptPatchError(f"{where}: the reference chunk holds {reference.deltas.dtype} deltas for {h.info.name}")
+    if fused.enabled and fused.merge_history is not None:
+        positions, ref_deltas = np.empty(h.count, np.int64), np.empty(h.count, reference.deltas.dtype)
+        merged = fused.merge_history(reference.positions, reference.deltas, again, fresh, positions, ref_deltas)
+    else:
+        positions = np.concatenate([reference.positions[again], fresh])
+        order = np.argsort(positions, kind="stable")
+        positions = positions[order]
+        merged = positions.size < 2 or bool((positions[1:] > positions[:-1]).all())
+        ref_deltas = np.concatenate([reference.deltas[again], np.zeros(h.new_count, reference.deltas.dtype)])[order]
+    if not merged:
         raise CorruptPatchError(f"{where}: a new position repeats one of the reference's")
-    ref_deltas = np.concatenate([reference.deltas[again], np.zeros(h.new_count, reference.deltas.dtype)])[order]
-    if ref_deltas.dtype != NP_INT_OF_WIDTH[h.info.width]:
-        raise CorruptPatchError(f"{where}: the reference chunk holds {ref_deltas.dtype} deltas for {h.info.name}")
-    return PatchRecord(
-        h, positions, _decode_value_stream(buf[escapes_end:], h, h.count, 0, where), ref_deltas=ref_deltas
+    if _fused_planes(h):
+        return PatchRecord(h, positions, None, ref_deltas=ref_deltas, planes=values)
+    return PatchRecord(h, positions, _decode_value_stream(values, h, h.count, 0, where), ref_deltas=ref_deltas)
+
+
+def _fused_planes(h: RecordHeader) -> bool:
+    """Whether the fused kernel applies this record's byte planes (format-2 values of a 2-byte float)."""
+    return (
+        fused.apply_planes_2byte is not None
+        and fused.enabled
+        and h.coding in V2_CODINGS
+        and h.info.is_float
+        and (h.info.width == 2)
     )
+
+
+def _decode_positions(buf: np.ndarray, h: RecordHeader, n: int, where: str) -> np.ndarray:
+    """The first n positions coded at the start of buf, in the record's position coding (each checked < length)."""
+    if h.positions == PositionCoding.GAP_CODES:
+        return bits.decode_gap_codes(buf[:n], n, buf[n : n + h.escapes], h.length, where)
+    return bits.decode_positions(buf[: 2 * n], n, buf[2 * n : 2 * n + 8 * h.escapes].view("<u8"), h.length, where)
+
+
+def decode_planes(planes: np.ndarray, h: RecordHeader) -> np.ndarray:
+    """Signed deltas (in stored order) from a PLANES/EXP_PLANES record's byte planes."""
+    width = h.info.width
+    return bits.unzigzag(bits.from_planes(planes, h.count, NP_UINT_OF_WIDTH[width]), NP_INT_OF_WIDTH[width])
 
 
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
