@@ -144,14 +144,14 @@ def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None
     key = (h.name, h.start, h.length)
     if record.planes is not None and chunk.device.type == "cpu" and fused.apply_planes_2byte is not None:
         positions = record.positions
-        old_values, deltas = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
+        old_values, applied = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
         ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
         by_class = h.coding == ValueCoding.EXP_PLANES
-        fused.apply_planes_2byte(chunk.numpy(), positions, record.planes, by_class, ref_deltas, old_values, deltas)
+        fused.apply_planes_2byte(chunk.detach().numpy(), positions, record.planes, by_class, ref_deltas, old_values, applied)
         if undo is not None:
             undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old_values)))
         if history is not None:
-            history.chunks[key] = ChunkHistory(record.positions, deltas)
+            history.chunks[key] = ChunkHistory(positions, applied)
         return
     index = torch.from_numpy(record.positions).to(chunk.device)
     old = chunk.index_select(0, index)
