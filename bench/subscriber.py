@@ -1,7 +1,9 @@
 """Subscriber fast path: seconds per GiB of state to apply one patch, and the speedup over a full download.
 
 A synthetic bf16 model (AdamW at an RL learning rate; see pulsesync.synthetic) publishes an anchor
-and then one patch per step into a filesystem store through the real publisher. Every read the
+and then one patch per step into a filesystem store through the real publisher, on both codec
+workloads: "synthetic" (fp32 master weights, mostly +-1 ULP moves) and "real-like" (calibrated on
+a real fine-tune, bench/calibrate.py: heavy-tailed moves, history-coded patches). Every read the
 subscriber makes goes through a token bucket that limits the transfer path to `--mbps` (400 Mb/s
 by default, a typical per-host share of a cloud object store), so downloads cost what they would
 over such a link. Measured in the same run:
@@ -12,8 +14,10 @@ over such a link. Measured in the same run:
   full_download    downloading the anchor's safetensors shards (a full checkpoint) through the
                    same token bucket: the baseline a subscriber without patches pays every step
 
-The contracts: fast path (download excluded) <= 0.2 s per GiB of state; full_download / fast_path
-(download included) >= 50x. Every step's state is checked bitwise against the trainer's.
+The contracts, on each workload: fast path (download excluded) <= 0.2 s per GiB of state;
+full_download / fast_path (download included) >= 50x. Every step's state is checked bitwise
+against the trainer's. The JSON's top-level fields are the synthetic workload's (as before);
+`workloads` holds both, and `real_like_fast_path_s_per_gib` the real-like one's.
 
     python bench/subscriber.py                          # 0.8 GiB of state
     python bench/subscriber.py --quick --json out.json  # 0.15 GiB, < 60 s: the automation contract
@@ -44,7 +48,16 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore, ObjectInfo, ProgressCallback, TransferResult
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
+from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes, real_like_trainer
+
+WORKLOADS = ("synthetic", "real-like")
+
+
+def trainer_for(workload: str, hidden: int, layers: int) -> SyntheticTrainer:
+    """The codec benchmark's workloads (bench/codec.py), at lr 1e-6."""
+    if workload == "real-like":
+        return real_like_trainer(hidden, layers, seed=0, lr=1e-6)
+    return SyntheticTrainer(llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=1e-6, seed=0)
 
 
 class TokenBucket:
@@ -103,9 +116,8 @@ class ThrottledStore(FileStore):
         return done
 
 
-def publish(root: Path, key: Ed25519PrivateKey, hidden: int, layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
+def publish(root: Path, key: Ed25519PrivateKey, trainer: SyntheticTrainer, steps: int) -> list[dict[str, torch.Tensor]]:
     """Publish anchor 0 and patches 1..steps; returns the trainer's states."""
-    trainer = SyntheticTrainer(llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=1e-6, seed=0)
     for _ in range(12):  # past AdamW's unusually dense first updates
         trainer.step()
     states = []
@@ -178,27 +190,37 @@ def main() -> None:
     layers = args.layers or (4 if args.quick else 8)
     steps = args.steps or 8  # the median of 8 steadies the quick run's small, noisy syncs
     key = Ed25519PrivateKey.generate()
-    with tempfile.TemporaryDirectory(prefix="pulsesync-bench-") as tmp:
-        states = publish(Path(tmp), key, hidden, layers, steps)
-        r = asyncio.run(measure(Path(tmp), key, states, args.mbps))
-    speedup = r["speedup_vs_full_400mbps"]
-    r["numba"] = fused.enabled
     kernels = "numba kernels" if fused.enabled else "numpy path" if args.numpy else "numpy path (numba not installed)"
-    print(f"{r['state_gib']:.2f} GiB of bf16 state, {r['steps']} fast-path steps, link {args.mbps:g} Mb/s, {kernels}")
-    print(f"{'measure':<36} {'seconds':>9} {'s/GiB':>7} {'MB':>9}")
-    full = f"{r['full_download_s']:>9.3f} {'':>7} {r['full_bytes'] / 1e6:>9.1f}"
-    print(f"{'full checkpoint download (baseline)':<36} {full}")
-    print(f"{'fast path, download included':<36} {r['fast_path_s']:>9.3f} {'':>7} {r['patch_bytes'] / 1e6:>9.2f}")
-    print(
-        f"{'fast path, download excluded':<36} {r['fast_path_excl_download_s']:>9.3f} "
-        f"{r['fast_path_s_per_gib']:>7.3f} {'':>9}"
-    )
-    print(
-        f"fast path {r['fast_path_s_per_gib']:.3f} s/GiB (contract <= 0.2); "
-        f"{speedup:.0f}x faster than a full download (contract >= 50x)"
-    )
+    results = {}
+    for workload in WORKLOADS:
+        with tempfile.TemporaryDirectory(prefix="pulsesync-bench-") as tmp:
+            states = publish(Path(tmp), key, trainer_for(workload, hidden, layers), steps)
+            r = results[workload] = asyncio.run(measure(Path(tmp), key, states, args.mbps))
+        speedup = r["speedup_vs_full_400mbps"]
+        print(
+            f"\n[{workload}] {r['state_gib']:.2f} GiB of bf16 state, {r['steps']} fast-path steps, "
+            f"link {args.mbps:g} Mb/s, {kernels}"
+        )
+        print(f"{'measure':<36} {'seconds':>9} {'s/GiB':>7} {'MB':>9}")
+        full = f"{r['full_download_s']:>9.3f} {'':>7} {r['full_bytes'] / 1e6:>9.1f}"
+        print(f"{'full checkpoint download (baseline)':<36} {full}")
+        print(f"{'fast path, download included':<36} {r['fast_path_s']:>9.3f} {'':>7} {r['patch_bytes'] / 1e6:>9.2f}")
+        print(
+            f"{'fast path, download excluded':<36} {r['fast_path_excl_download_s']:>9.3f} "
+            f"{r['fast_path_s_per_gib']:>7.3f} {'':>9}"
+        )
+        print(
+            f"fast path {r['fast_path_s_per_gib']:.3f} s/GiB (contract <= 0.2); "
+            f"{speedup:.0f}x faster than a full download (contract >= 50x)"
+        )
+    out = {
+        **results["synthetic"],
+        "numba": fused.enabled,
+        "real_like_fast_path_s_per_gib": results["real-like"]["fast_path_s_per_gib"],
+        "workloads": results,
+    }
     if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
