@@ -1,8 +1,10 @@
-"""Position coding comparison: bytes per changed element of candidate gap codings on the codec workload.
+"""Position coding comparison: bytes per changed element of candidate gap codings on the codec workloads.
 
-Candidates (each per 4M-element chunk, gaps p[i] - p[i-1] - 1): u16 in two byte planes (pulsesync),
-u16 interleaved, u8 with u32 escapes, LEB128 varints (each + zstd-1), and Rice codes with the best
-parameter per chunk (exact bit count, no zstd), against the order-0 entropy of the gaps.
+Candidates (each per 4M-element chunk, gaps p[i] - p[i-1] - 1): gap codes (format 2's GAP_CODES:
+a code byte per gap, its low bits in an extra-bits stream, each part compressed on its own),
+u16 in two byte planes (format 1's GAPS16), u16 interleaved, u8 with u32 escapes, LEB128 varints
+(each + zstd-1), and Rice codes with the best parameter per chunk (exact bit count, no zstd),
+against the order-0 entropy of the gaps; on both workloads of bench/codec.py.
 
     python bench/positions.py [--json PATH]
 """
@@ -20,7 +22,10 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from codec import make_steps  # the codec benchmark's workload
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from codec import make_steps  # the codec benchmark's workloads
+
+from pulsesync.codec import bits
 
 CHUNK = 1 << 22
 
@@ -40,8 +45,10 @@ def sizes(gaps: np.ndarray, z: zstandard.ZstdCompressor) -> dict[str, int]:
     escapes = 8 * int((gaps >= 0xFFFF).sum())
     g16 = np.minimum(gaps, 0xFFFF).astype(np.uint16)
     g8 = np.minimum(gaps, 255).astype(np.uint8)
+    codes, extra = bits.encode_gap_codes(np.cumsum(gaps + 1) - 1)
     return {
-        "u16 byte planes + zstd (pulsesync)": len(z.compress(g16.view(np.uint8).reshape(-1, 2).T.tobytes())) + escapes,
+        "gap codes + zstd (pulsesync format 2)": len(z.compress(codes.tobytes())) + len(z.compress(extra)),
+        "u16 byte planes + zstd (format 1)": len(z.compress(g16.view(np.uint8).reshape(-1, 2).T.tobytes())) + escapes,
         "u16 interleaved + zstd": len(z.compress(g16.tobytes())) + escapes,
         "u8 + u32 escapes + zstd": len(z.compress(g8.tobytes() + gaps[gaps >= 255].astype(np.uint32).tobytes())),
         "LEB128 + zstd": len(z.compress(leb128(gaps))),
@@ -54,7 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    steps = make_steps([1e-6, 3e-6], 512, 4, warmup=12, measured=1, seed=0)
+    out = {workload: measure(workload) for workload in ("synthetic", "real-like")}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def measure(workload: str) -> dict[str, float]:
+    """Bytes per changed element of each coding on one workload; prints its table."""
+    steps = make_steps(workload, [1e-6, 3e-6], 512, 4, warmup=12, measured=1, seed=0)
     z = zstandard.ZstdCompressor(level=1)
     totals: dict[str, int] = {}
     all_gaps = []
@@ -73,11 +87,10 @@ def main() -> None:
     p = counts / counts.sum()
     result = {k: v / changes for k, v in sorted(totals.items(), key=lambda kv: kv[1])}
     result["order-0 entropy"] = float(-(p * np.log2(p)).sum() / 8)
-    print(f"{changes:,} changed elements over {len(steps)} steps; bytes per changed element for positions:")
+    print(f"[{workload}] {changes:,} changed elements over {len(steps)} steps; bytes per changed element:")
     for k, v in result.items():
-        print(f"  {k:<36} {v:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"  {k:<38} {v:.3f}")
+    return result
 
 
 if __name__ == "__main__":
