@@ -97,7 +97,7 @@ def _age(seconds: float) -> str:
 
 
 def _codings(codings: dict[str, int] | None) -> str:
-    """e.g. "HISTORY/EXP_PLANES 40, SPARSE/PLANES 2", most used first."""
+    """e.g. "HISTORY/EXP_PLANES/GAP_CODES 40, DENSE/RAW 2", most used first."""
     if not codings:
         return "-"
     return ", ".join(f"{k} {n}" for k, n in sorted(codings.items(), key=lambda kv: -kv[1]))

@@ -147,7 +147,8 @@ def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None
         old_values, applied = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
         ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
         by_class = h.coding == ValueCoding.EXP_PLANES
-        fused.apply_planes_2byte(chunk.detach().numpy(), positions, record.planes, by_class, ref_deltas, old_values, applied)
+        target = chunk.detach().numpy()
+        fused.apply_planes_2byte(target, positions, record.planes, by_class, ref_deltas, old_values, applied)
         if undo is not None:
             undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old_values)))
         if history is not None:

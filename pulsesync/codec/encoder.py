@@ -60,7 +60,7 @@ class EncodedPatch:
 
     data: bytes
     history: PatchHistory
-    codings: dict[str, int]  # records per "KIND/CODING" (e.g. "HISTORY/EXP_PLANES")
+    codings: dict[str, int]  # records per "KIND/VALUES[/POSITIONS]" (e.g. "HISTORY/EXP_PLANES/GAP_CODES")
 
 
 def _compress(params: CodecParams, parts: list[bytes]) -> bytes:
@@ -106,7 +106,10 @@ def _record(params: CodecParams, head: RecordHeader, parts: list[bytes]) -> _Rec
     payload = _compress(params, parts)
     head = replace(head, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
     data = encode_record_header(head, params.format_version) + payload
-    return _Record(data, head.count, raw_len, coding=f"{head.kind.name}/{head.coding.name}")
+    coding = f"{head.kind.name}/{head.coding.name}"
+    if params.format_version >= 2 and head.kind in (RecordKind.SPARSE, RecordKind.HISTORY):
+        coding += f"/{head.positions.name}"
+    return _Record(data, head.count, raw_len, coding=coding)
 
 
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:

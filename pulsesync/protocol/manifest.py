@@ -72,8 +72,8 @@ class PatchCodec(_Strict):
     value_coding: str
     zstd_level: int
     chunk_elements: int
-    # Format 2: records per "KIND/CODING" the encoder chose (`pulsesync inspect` shows them); omitted
-    # from the JSON when None, so format-1 readers accept the manifest.
+    # Format 2: records per "KIND/VALUES[/POSITIONS]" the encoder chose (`pulsesync inspect` shows
+    # them); omitted from the JSON when None, so format-1 readers accept the manifest.
     records: dict[str, int] | None = None
 
 
