@@ -35,7 +35,7 @@ class ChainRow:
     verified: bool | None  # None: no trusted keys given
     age_seconds: float
     error: str | None = None
-    codings: dict[str, int] | None = None  # patches of format 2: records per "KIND/CODING"
+    codings: dict[str, int] | None = None  # patches of format 2: records per "KIND/VALUES[/POSITIONS]"
 
 
 async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> list[ChainRow]:

@@ -106,17 +106,19 @@ def apply_record(
         if record.packed is not None:
             assert record.positions is not None
             packed, escapes = record.packed
-            if history is not None:
-                deltas = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
-                history.chunks[key] = ChunkHistory(record.positions, deltas)
-            if chunk.device.type == "cpu" and fused.apply_delta_2byte is not None:
+            kernel = chunk.device.type == "cpu" and fused.apply_delta_2byte is not None
+            if history is not None or not kernel:
+                coded_values = deltas = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
+                if history is not None:
+                    history.chunks[key] = ChunkHistory(record.positions, deltas)
+            if kernel:
+                assert fused.apply_delta_2byte is not None
                 old = np.empty(record.positions.size, np.int16)
-                fused.apply_delta_2byte(chunk.detach().numpy(), record.positions, *record.packed, old)
+                fused.apply_delta_2byte(chunk.detach().numpy(), record.positions, packed, escapes, old)
                 if undo is not None:
                     index = torch.from_numpy(record.positions)
                     undo.chunks.append((h.name, h.start, h.length, index, torch.from_numpy(old)))
                 return
-            coded_values = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
         assert coded_values is not None
         coded = torch.from_numpy(coded_values).to(chunk.device)
         if h.kind == RecordKind.DENSE:
@@ -127,12 +129,15 @@ def apply_record(
             assert record.positions is not None
             index = torch.from_numpy(record.positions).to(chunk.device)
             values = chunk.index_select(0, index)
-            old_values = values.clone() if undo is not None or history is not None else values
+            # Packed records have put their (decoded) deltas into the history above.
+            derive_history = history is not None and record.packed is None
+            old_values = values.clone() if undo is not None or derive_history else values
             if undo is not None:
                 undo.chunks.append((h.name, h.start, h.length, index, old_values))
             new_values = bits.decode_values_(values, coded, h.info, h.coding)
             chunk.index_copy_(0, index, new_values)
-            if history is not None:
+            if derive_history:
+                assert history is not None
                 ordered_deltas = bits.encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
                 history.chunks[key] = ChunkHistory(record.positions, bits.host(ordered_deltas))
 

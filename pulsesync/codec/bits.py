@@ -187,6 +187,7 @@ def unpack_small(packed: np.ndarray, count: int, escapes: np.ndarray, offset: in
 _ESCAPES_IN_BYTE = (_CODES_OF_BYTE == SMALL_ESCAPE).sum(axis=1).astype(np.int64)
 _VALUE_ESCAPES_MISMATCH = "escaped value count does not match the value codes"
 _GAP_ESCAPES_MISMATCH = "escape count does not match the gap stream"
+_OUTSIDE = "a position is outside the chunk of {length}"  # both position decoders, both paths
 
 
 def check_escape_count(packed: np.ndarray, count: int, escapes: int, where: str) -> None:
@@ -249,7 +250,7 @@ def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length
         if status == fused.POSITIONS_GAP_OUTSIDE:
             raise CorruptPatchError(f"{where}: escaped position gap exceeds the chunk of {length}")
         if status == fused.POSITIONS_OUTSIDE:
-            raise CorruptPatchError(f"{where}: a position is outside the chunk of {length}")
+            raise CorruptPatchError(f"{where}: {_OUTSIDE.format(length=length)}")
         return positions
     gaps16 = from_planes(planes, count, np.uint16)
     gaps = gaps16.astype(np.int64)
@@ -267,7 +268,7 @@ def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length
     positions = np.cumsum(gaps, out=gaps)
     positions -= 1
     if positions.size and int(positions[-1]) >= length:
-        raise CorruptPatchError(f"{where}: a position is outside the chunk of {length}")  # as the kernel says
+        raise CorruptPatchError(f"{where}: {_OUTSIDE.format(length=length)}")
     return positions
 
 
@@ -350,14 +351,14 @@ def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: i
     positions = np.cumsum(gaps, out=gaps)
     positions -= 1
     if positions.size and int(positions[-1]) >= length:
-        raise CorruptPatchError(f"{where}: {_GAP_CODE_ERRORS[fused.POSITIONS_OUTSIDE].format(length=length)}")
+        raise CorruptPatchError(f"{where}: {_OUTSIDE.format(length=length)}")
     return positions
 
 
 _GAP_CODE_ERRORS = {
     fused.POSITIONS_GAP_CODE_INVALID: _GAP_CODE_INVALID,
     fused.POSITIONS_ESCAPES_MISMATCH: _GAP_EXTRA_MISMATCH,
-    fused.POSITIONS_OUTSIDE: "a position is outside the chunk of {length}",
+    fused.POSITIONS_OUTSIDE: _OUTSIDE,
 }
 
 

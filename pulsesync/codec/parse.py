@@ -29,10 +29,10 @@ from pulsesync.codec.format import (
     positions_len,
 )
 from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH
+from pulsesync.errors import CorruptPatchError
 
 if TYPE_CHECKING:
     from pulsesync.codec.history import ChunkHistory
-from pulsesync.errors import CorruptPatchError
 
 _local = threading.local()
 
@@ -138,13 +138,8 @@ def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | 
 
 def _fused_planes(h: RecordHeader) -> bool:
     """Whether the fused kernel applies this record's byte planes (format-2 values of a 2-byte float)."""
-    return (
-        fused.apply_planes_2byte is not None
-        and fused.enabled
-        and h.coding in V2_CODINGS
-        and h.info.is_float
-        and (h.info.width == 2)
-    )
+    kernel = fused.enabled and fused.apply_planes_2byte is not None
+    return kernel and h.coding in V2_CODINGS and h.info.is_float and h.info.width == 2
 
 
 def _decode_positions(buf: np.ndarray, h: RecordHeader, n: int, where: str) -> np.ndarray:
@@ -165,9 +160,9 @@ def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, 
 
     PLANES and EXP_PLANES values come back as signed deltas (unzigzagged), in stored order.
     """
+    if h.coding in V2_CODINGS:  # SPARSE and HISTORY records only: n is h.count
+        return decode_planes(buf, h)
     np_int = NP_INT_OF_WIDTH[h.info.width]
-    if h.coding in V2_CODINGS:
-        return bits.unzigzag(bits.from_planes(buf, n, NP_UINT_OF_WIDTH[h.info.width]), np_int)
     if not h.coding.packed:
         return bits.from_planes(buf, n, np_int)
     packed_len = (n + 3) // 4
