@@ -1,26 +1,35 @@
-"""State digest: a root digest over the sorted (name, dtype, shape, raw-bytes digest) of each tensor.
+"""State digest: a root digest over the sorted (name, dtype, shape, per-tensor digest) of each tensor.
 
-The serialization is canonical (little-endian raw bytes in C order, names sorted, compact JSON),
+The serialization is canonical (little-endian raw bits in C order, names sorted, compact JSON),
 so the same state has the same digest on every machine and device. Authenticity comes from the
-manifest's signature; this digest catches reconstruction errors, so a fast hash is the default.
+manifest's signature; this digest catches divergence (reconstruction errors, corrupted memory or
+disk), so a fast hash is used. Algorithms:
+- `mixsum-128` (default): per tensor, an additive hash of (flat index, raw bits) terms
+  (pulsesync.mixsum), so a patch updates it in O(changed elements): `update_digest`;
+- `xxh3-128`, `sha256`: per tensor, a hash of its raw bytes; a changed tensor is hashed again.
+The root is xxh3-128 (sha256 for sha256) over the canonical JSON of the per-tensor entries.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
-from pulsesync.dtypes import State, dtype_info, flat_bytes
+from pulsesync import mixsum
+from pulsesync.dtypes import State, dtype_info, flat_bits
 from pulsesync.threads import parallel_map
 
-DigestAlgorithm = Literal["xxh3-128", "sha256"]
-DEFAULT_ALGORITHM: DigestAlgorithm = "xxh3-128"
-# Device tensors are hashed in host-sized pieces so a 10 GB tensor never needs 10 GB of host RAM.
+DigestAlgorithm = Literal["mixsum-128", "xxh3-128", "sha256"]
+DEFAULT_ALGORITHM: DigestAlgorithm = "mixsum-128"
+INCREMENTAL: frozenset[str] = frozenset({"mixsum-128"})  # updatable from the changed elements alone
 _DEVICE_CHUNK_BYTES = 256 << 20
 
 
@@ -30,7 +39,7 @@ class _Hasher(Protocol):
 
 
 def _new_hasher(algorithm: DigestAlgorithm) -> _Hasher:
-    if algorithm == "xxh3-128":
+    if algorithm in ("xxh3-128", "mixsum-128"):
         return xxhash.xxh3_128()
     if algorithm == "sha256":
         return hashlib.sha256()
@@ -70,16 +79,90 @@ class StateDigest(BaseModel):
         return f"tensors differ: {', '.join(repr(n) for n in bad[:limit])}{more}"
 
 
+class TensorHasher:
+    """One tensor's digest, hashed piece by piece in element order (a scrub paces itself between pieces)."""
+
+    def __init__(self, t: torch.Tensor, algorithm: DigestAlgorithm = DEFAULT_ALGORITHM) -> None:
+        self.tensor, self.algorithm = t, algorithm
+        self.flat = flat_bits(t)
+        self.hashed = 0  # elements hashed so far
+        self._lanes = (0, 0)
+        self._hasher = None if algorithm in INCREMENTAL else _new_hasher(algorithm)
+
+    def update(self, elements: int) -> int:
+        """Hash the next `elements` elements; returns the bytes hashed."""
+        piece = self.flat[self.hashed : self.hashed + elements].cpu().numpy()
+        if self._hasher is None:
+            self._lanes = mixsum.add(self._lanes, mixsum.sum_range(mixsum.unsigned(piece), self.hashed))
+        else:
+            self._hasher.update(piece.view(np.uint8))
+        self.hashed += piece.size
+        return piece.nbytes
+
+    def digest(self) -> TensorDigest:
+        """The digest of the elements hashed (the whole tensor once `hashed` reaches its size)."""
+        value = mixsum.to_hex(self._lanes) if self._hasher is None else self._hasher.hexdigest()
+        return TensorDigest(dtype=dtype_info(self.tensor.dtype).name, shape=tuple(self.tensor.shape), digest=value)
+
+
 def tensor_digest(t: torch.Tensor, algorithm: DigestAlgorithm = DEFAULT_ALGORITHM) -> TensorDigest:
-    """Digest of one tensor's canonical raw bytes."""
-    hasher = _new_hasher(algorithm)
-    raw = flat_bytes(t)
-    if raw.device.type == "cpu":
-        hasher.update(raw.numpy())
-    else:
-        for start in range(0, raw.numel(), _DEVICE_CHUNK_BYTES):
-            hasher.update(raw[start : start + _DEVICE_CHUNK_BYTES].cpu().numpy())
-    return TensorDigest(dtype=dtype_info(t.dtype).name, shape=tuple(t.shape), digest=hasher.hexdigest())
+    """Digest of one tensor's canonical raw bits."""
+    hasher = TensorHasher(t, algorithm)
+    # Device tensors go to the host in pieces, so a 10 GB tensor never needs 10 GB of host RAM.
+    piece = hasher.flat.numel() if t.device.type == "cpu" else _DEVICE_CHUNK_BYTES // t.element_size()
+    while hasher.hashed < hasher.flat.numel():
+        hasher.update(max(piece, 1))
+    return hasher.digest()
+
+
+@dataclass(frozen=True)
+class ElementChange:
+    """Elements of one tensor a patch overwrote: flat positions (int64, from `start`) and their old raw bits."""
+
+    name: str
+    start: int
+    positions: np.ndarray | None  # chunk-relative; None: every element of the chunk from `start`
+    old: np.ndarray  # the old bits, integers of the dtype's width
+
+
+def update_digest(
+    base: StateDigest, state: Mapping[str, torch.Tensor], changes: Iterable[ElementChange], whole: Iterable[str]
+) -> StateDigest:
+    """The digest of `state` from the digest of the state before `changes` (an incremental algorithm only).
+
+    Costs O(changed elements): each change subtracts its old elements' terms and adds the current
+    ones. Tensors named in `whole` (added, replaced) are hashed whole; tensors gone are dropped.
+    """
+    if base.algorithm not in INCREMENTAL:
+        raise ValueError(f"digest algorithm {base.algorithm} cannot be updated incrementally")
+    rehash = set(whole) & state.keys()
+    tensors = {n: d for n, d in base.tensors.items() if n in state}
+    lanes: dict[str, tuple[int, int]] = {}
+    for change in changes:
+        if change.name in rehash or change.name not in tensors:
+            rehash.add(change.name) if change.name in state else None
+            continue
+        flat, old_bits = flat_bits(state[change.name]), mixsum.unsigned(change.old)
+        if change.positions is None:  # a dense chunk: every element
+            new_bits = mixsum.unsigned(flat[change.start : change.start + old_bits.size].cpu().numpy())
+            delta = mixsum.add(mixsum.sum_range(new_bits, change.start), mixsum.sum_range(old_bits, change.start), -1)
+        elif flat.device.type == "cpu":  # one pass: gather the new bits and sum both
+            delta = mixsum.delta_at(
+                mixsum.unsigned(flat.numpy()[change.start :]), change.positions, old_bits, change.start
+            )
+        else:
+            index = torch.from_numpy(change.positions).to(flat.device)
+            new_bits = mixsum.unsigned(flat[change.start :].index_select(0, index).cpu().numpy())
+            now = mixsum.sum_at(new_bits, change.positions, change.start)
+            delta = mixsum.add(now, mixsum.sum_at(old_bits, change.positions, change.start), -1)
+        held = lanes.get(change.name) or mixsum.from_hex(tensors[change.name].digest)
+        lanes[change.name] = mixsum.add(held, delta)
+    for name, sums in lanes.items():
+        tensors[name] = tensors[name].model_copy(update={"digest": mixsum.to_hex(sums)})
+    for name in rehash:
+        tensors[name] = tensor_digest(state[name], base.algorithm)
+    tensors = {n: tensors[n] for n in sorted(tensors)}
+    return StateDigest(algorithm=base.algorithm, root=root_digest(tensors, base.algorithm), tensors=tensors)
 
 
 def root_digest(tensors: dict[str, TensorDigest], algorithm: DigestAlgorithm) -> str:

@@ -46,6 +46,9 @@ BYTES_DOWNLOADED = Counter("pulsesync_bytes_downloaded_total", "Bytes read from 
 SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being served")
 LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")
 LAG_SECONDS = Gauge("pulsesync_lag_seconds", "Seconds from publishing the served step to serving it")
+CACHE_BYTES_WRITTEN = Counter(
+    "pulsesync_cache_bytes_written_total", "Bytes written to cache_dir: journaled patches, whole base states", ["kind"]
+)
 HEALTHY = Gauge("pulsesync_healthy", "1 while the subscriber is healthy")
 RETENTION_SKIPPED = Counter(
     "pulsesync_retention_skipped_total", "Markers, tombstones and keys retention did not trust and left alone"
@@ -53,6 +56,13 @@ RETENTION_SKIPPED = Counter(
 MARKERS_REJECTED = Counter(
     "pulsesync_markers_rejected_total", "Ready markers skipped because they do not verify (forged, malformed, replayed)"
 )
+
+SCRUBS = Counter(
+    "pulsesync_scrubs_total",
+    "Full state digests compared with the incrementally kept one, by role and result (ok, mismatch)",
+    ["role", "result"],
+)
+SCRUBBED_BYTES = Counter("pulsesync_scrubbed_bytes_total", "Bytes of held state the scrub re-hashed", ["role"])
 
 # --- store ---------------------------------------------------------------------------------------
 STORE_RETRIES = Counter("pulsesync_store_retries_total", "Store calls retried after a transient error", ["op"])

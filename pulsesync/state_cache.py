@@ -1,10 +1,16 @@
-"""A verified state kept on local disk, so a restart resumes without downloading an anchor.
+"""A verified state kept on local disk, so a restart resumes without downloading an anchor: a base and a journal.
 
-`{cache_dir}/state.safetensors` holds the tensors, `{cache_dir}/files/` the non-weight files that
-go with them (config.json, tokenizer files), `{cache_dir}/state.json` the step, state digest and
-the files' SHA-256; each is written atomically (temp file, fsync, rename) and the JSON last, so a
-crash leaves either the previous set or the new one. Loading re-hashes the tensors: a cache that does
-not match its own digest is discarded with a warning.
+The base: `{cache_dir}/state.safetensors` holds the tensors, `{cache_dir}/files/` the non-weight
+files that go with them (config.json, tokenizer files), `{cache_dir}/state.json` the step, state
+digest and the files' SHA-256; each is written atomically (temp file, fsync, rename) and the JSON
+last, so a crash leaves either the previous set or the new one. Loading re-hashes the tensors: a
+base that does not match its own digest is discarded with a warning.
+
+The journal: each verified patch applied since the base, as `journal/{step}.patch` and its signed
+manifest `journal/{step}.json` (written second: it commits the entry). A fast-path step thus
+writes about the patch's bytes, not the state's; a reader replays the entries whose base steps
+link up from the base's step, verifying each (the subscriber does: signature, SHA-256, digests).
+`save` writes a new base and clears the journal (compaction).
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +40,21 @@ META_FILE = "state.json"
 MARKER_FILE = "ready-marker.json"  # a copy of the signed manifest of the cached step
 HISTORY_FILE = "patch-history.safetensors"  # what the cached step's patch changed (format-2 references)
 FILES_DIR = "files"
+JOURNAL_DIR = "journal"
+_ENTRY_RE = re.compile(r"([0-9]{12})\.json")
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One journaled patch: read it only when replaying (entries add up to more than a state)."""
+
+    step: int
+    manifest_path: Path
+    patch_path: Path
+
+    def read(self) -> tuple[bytes, bytes]:
+        """The signed manifest's bytes and the patch's bytes, untrusted until verified."""
+        return self.manifest_path.read_bytes(), self.patch_path.read_bytes()
 
 
 @dataclass
@@ -45,12 +67,13 @@ class CachedState(VerifiedState):
 
     marker: bytes | None = None
     history: PatchHistory | None = None  # of the patch that produced the state: the next patch's reference
+    journal: list[JournalEntry] = field(default_factory=list)  # patches after `step`, in step order: replay them
 
 
 def save(
     cache_dir: Path, verified: VerifiedState, marker: bytes | None = None, history: PatchHistory | None = None
 ) -> None:
-    """Persist a verified state, its digest, its files, its signed marker and its patch history atomically.
+    """Persist a verified state as the new base (its digest, files, signed marker and patch history); clear the journal.
 
     LocalWriteError if the disk refuses (full, read-only): the previous set is gone by then, never half-kept.
     """
@@ -73,8 +96,51 @@ def save(
         shas = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         record = json.dumps({"step": step, "digest": digest.model_dump(mode="json"), "files": shas})
         write_file(meta, record.encode())
+        truncate_journal(cache_dir, 0)
     except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors as SafetensorError
         raise LocalWriteError(f"state cache {cache_dir}: cannot save step {step} ({e})") from None
+
+
+def append(cache_dir: Path, step: int, manifest: bytes, patch: bytes) -> int:
+    """Journal one verified patch after the cached state (patch first, its manifest commits it); bytes written."""
+    journal = cache_dir / JOURNAL_DIR
+    try:
+        journal.mkdir(parents=True, exist_ok=True)
+        write_file(journal / f"{step:012d}.patch", patch)
+        write_file(journal / f"{step:012d}.json", manifest)
+    except OSError as e:
+        raise LocalWriteError(f"state cache {cache_dir}: cannot journal step {step} ({e})") from None
+    return len(patch) + len(manifest)
+
+
+def journal_entries(cache_dir: Path) -> list[JournalEntry]:
+    """The committed journal entries (those with a manifest), in step order."""
+    journal = cache_dir / JOURNAL_DIR
+    if not journal.is_dir():
+        return []
+    entries = []
+    for path in journal.iterdir():
+        if match := _ENTRY_RE.fullmatch(path.name):
+            patch = path.with_suffix(".patch")
+            if patch.is_file():
+                entries.append(JournalEntry(int(match.group(1)), path, patch))
+    return sorted(entries, key=lambda e: e.step)
+
+
+def journal_bytes(cache_dir: Path) -> int:
+    """Bytes the journal holds."""
+    journal = cache_dir / JOURNAL_DIR
+    return sum(p.stat().st_size for p in journal.iterdir()) if journal.is_dir() else 0
+
+
+def truncate_journal(cache_dir: Path, after_step: int) -> None:
+    """Remove the journal's entries from `after_step` on (0: all), manifests first."""
+    journal = cache_dir / JOURNAL_DIR
+    if not journal.is_dir():
+        return
+    doomed = sorted(p for p in journal.iterdir() if p.name[:12].isdigit() and int(p.name[:12]) >= after_step)
+    for path in sorted(doomed, key=lambda p: p.suffix != ".json"):  # an entry without its manifest is no entry
+        path.unlink(missing_ok=True)
 
 
 def _save_history(history: PatchHistory, path: Path) -> None:
@@ -131,4 +197,6 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
     if digest.root != expected.root:
         log.warning("discarding the state cache in %s: %s", cache_dir, digest.describe_mismatch(expected))
         return None
-    return CachedState(step, state, digest, files, marker, _load_history(cache_dir / HISTORY_FILE))
+    history = _load_history(cache_dir / HISTORY_FILE)
+    journal = [e for e in journal_entries(cache_dir) if e.step > step]
+    return CachedState(step, state, digest, files, marker, history, journal)

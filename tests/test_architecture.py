@@ -18,6 +18,7 @@ LAYERS = {
     "threads": 1,
     "metrics": 1,
     "atomic_files": 1,
+    "mixsum": 1,
     "digest": 2,
     "model_dir": 2,
     "synthetic": 2,

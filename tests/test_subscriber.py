@@ -37,7 +37,7 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig
 from pulsesync.store import RetryPolicy, S3Store, Store
 from tests.support.fault_proxy import FaultProxy
-from tests.support.helpers import assert_states_equal, trainer_states
+from tests.support.helpers import assert_states_equal, flip_byte, trainer_states
 from tests.support.servers import BUCKET
 from tests.support.subscribing import STATES, assert_serving, publish, subscriber
 
@@ -69,10 +69,6 @@ async def damage_object(store: Store, key: str, how: Callable[[bytes], bytes | N
         await store.delete_many([key])
     else:
         await store.put(key, data)
-
-
-def flip_byte(data: bytes) -> bytes:
-    return data[:100] + bytes([data[100] ^ 0x20]) + data[101:]
 
 
 async def patch_object_key(store: Store, step: int) -> str:

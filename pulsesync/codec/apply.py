@@ -19,7 +19,16 @@ from pulsesync.codec import bits, fused
 from pulsesync.codec.format import V2_CODINGS, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_planes, decode_record
-from pulsesync.digest import StateDigest, TensorDigest, root_digest, state_digest, tensor_digest
+from pulsesync.digest import (
+    INCREMENTAL,
+    ElementChange,
+    StateDigest,
+    TensorDigest,
+    root_digest,
+    state_digest,
+    tensor_digest,
+    update_digest,
+)
 from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError, MissingReferenceError
 from pulsesync.threads import parallel_map, submit_beside
@@ -50,6 +59,13 @@ class UndoLog:
                 state.pop(name, None)
             else:
                 state[name] = tensor
+
+    def element_changes(self, since: int = 0) -> list[ElementChange]:
+        """The chunk entries from `since` on as digest updates (old bits on the host)."""
+        return [
+            ElementChange(name, start, None if index is None else bits.host(index), bits.host(old))
+            for name, start, _, index, old in self.chunks[since:]
+        ]
 
     def changed(self) -> dict[str, torch.Tensor | None]:
         """Flat positions each changed tensor changed at (sorted), or None where the whole tensor changed."""
@@ -257,6 +273,11 @@ def apply_patch(
             state[h.name] = tensor.contiguous()
 
     references = reference.chunks if reference is not None else {}
+    # An incremental digest is updated from what the patch overwrote: keep a log even if the caller does not.
+    incremental = verify and algorithm in INCREMENTAL
+    if incremental and undo is None:
+        undo = UndoLog()
+    logged = (len(undo.chunks), len(undo.tensors)) if undo is not None else (0, 0)
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> PatchRecord | None:
         h = item[0]
@@ -269,11 +290,11 @@ def apply_patch(
     rehashed: dict[str, Future[TensorDigest]] = {}
 
     def rehash(name: str) -> None:
-        if verify and name in state:
+        if verify and not incremental and name in state:
             rehashed[name] = submit_beside(tensor_digest, state[name], algorithm)
 
     device = _state_device(state)
-    whole: list[PatchRecord] = []
+    whole_records: list[PatchRecord] = []
     previous: str | None = None
     # In order: once a record of the next tensor has been applied, the previous tensor is final.
     with contextlib.closing(parallel_map(decode_and_apply, raw_records, threads)) as applied:
@@ -282,16 +303,21 @@ def apply_patch(
                 rehash(previous)
             previous = None if record is not None else h.name
             if record is not None:
-                whole.append(record)
+                whole_records.append(record)
     if previous is not None:
         rehash(previous)
-    for record in whole:  # whole-tensor records change the dict itself: after the concurrent part
+    for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part
         apply_record(record, state, device, undo)
         rehash(record.name)
     if not verify:
         return None
-    tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
-    result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
+    if incremental:
+        assert undo is not None
+        whole = [name for name, _ in undo.tensors[logged[1] :]] + [r.name for r in whole_records]
+        result = update_digest(current, state, undo.element_changes(logged[0]), whole)
+    else:
+        tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
+        result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
     if result.root != header.state_digest:
         raise IntegrityError(f"patched state has digest {result.root}, the patch promises {header.state_digest}")
     return result

@@ -28,7 +28,7 @@ from pulsesync.codec.format import (
 )
 from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.params import CodecParams
-from pulsesync.digest import StateDigest, state_digest
+from pulsesync.digest import INCREMENTAL, ElementChange, StateDigest, state_digest, update_digest
 from pulsesync.dtypes import DTypeInfo, State, dtype_info, flat_bits
 from pulsesync.errors import ConfigError
 from pulsesync.threads import parallel_map
@@ -52,6 +52,7 @@ class _Record:
     raw_len: int
     history: tuple[ChunkKey, ChunkHistory] | None = None
     coding: str = ""  # "KIND/CODING", for the manifest's summary
+    change: ElementChange | None = None  # what a chunk record overwrote, for an incremental digest
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class EncodedPatch:
     data: bytes
     history: PatchHistory
     codings: dict[str, int]  # records per "KIND/VALUES[/POSITIONS]" (e.g. "HISTORY/EXP_PLANES/GAP_CODES")
+    digest: StateDigest  # of the new state
 
 
 def _compress(params: CodecParams, parts: list[bytes]) -> bytes:
@@ -146,17 +148,20 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
     if count == 0:
         return None
     if count * (2 + info.width) >= length * info.width:
-        return _encode_dense(params, chunk, count)
+        dense = _encode_dense(params, chunk, count)
+        return replace(dense, change=ElementChange(chunk.name, chunk.start, None, bits.host(old)))
     fields = (chunk.name, info, chunk.shape)
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
+    change = ElementChange(chunk.name, chunk.start, positions, bits.host(old_values))
     position = _position_coding(params, positions)
     if not params.adaptive:
         coding = params.coding
         coded = bits.host(bits.encode_values(old_values, new_values, info, coding))
         value = _value_section(params, coded, coding, offset=1)
         head = RecordHeader(RecordKind.SPARSE, *fields, coding, chunk.start, length, count)
-        return _record(params, replace(head, **position.fields, **value.fields), position.parts + value.parts)
+        record = _record(params, replace(head, **position.fields, **value.fields), position.parts + value.parts)
+        return replace(record, change=change)
     deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
     history = (chunk.key, ChunkHistory(positions, deltas))
     zigzags = bits.zigzag(deltas)
@@ -175,7 +180,7 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
     for section in sections:
         head = replace(head, **section.fields)
     record = _record(params, head, [part for section in sections for part in section.parts])
-    return replace(record, history=history)
+    return replace(record, history=history, change=change)
 
 
 def _planes(order: np.ndarray | None) -> dict[str, Any]:
@@ -267,7 +272,7 @@ def encode_patch(
 ) -> bytes:
     """Lossless, self-contained patch turning `base` into `new`; tensors may live on any device.
 
-    Pass the states' digests when already known (the publisher has them) to skip hashing.
+    Pass the states' digests when already known to skip hashing.
     """
     return encode(base, new, params, base_digest=base_digest, new_digest=new_digest).data
 
@@ -284,15 +289,19 @@ def encode(
     """Lossless patch turning `base` into `new`, and its history.
 
     With `reference` (the history of the patch that produced `base`), a record may be
-    history-coded against it where that is smaller (format 2, adaptive coding).
+    history-coded against it where that is smaller (format 2, adaptive coding). Without
+    `new_digest`, an incremental digest algorithm updates `base_digest` from the changed elements
+    (O(patch)); any other hashes the changed tensors.
     """
     params = params or CodecParams()
     reference = reference if params.adaptive else None  # history coding is part of adaptive coding
     base_digest = base_digest or state_digest(base, params.digest_algorithm, params.threads)
-    new_digest = new_digest or state_digest(new, params.digest_algorithm, params.threads)
-    if {base_digest.algorithm, new_digest.algorithm} != {params.digest_algorithm}:
+    incremental = new_digest is None and params.digest_algorithm in INCREMENTAL
+    if new_digest is None and not incremental:
+        new_digest = state_digest(new, params.digest_algorithm, params.threads)
+    if {base_digest.algorithm, (new_digest or base_digest).algorithm} != {params.digest_algorithm}:
         raise ConfigError(
-            f"digest algorithms {base_digest.algorithm}/{new_digest.algorithm} differ from "
+            f"digest algorithms {base_digest.algorithm}/{(new_digest or base_digest).algorithm} differ from "
             f"codec digest_algorithm {params.digest_algorithm}"
         )
 
@@ -308,6 +317,9 @@ def encode(
             tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference))
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
+    if new_digest is None:
+        whole = [n for n in new if n not in base or base[n].dtype != new[n].dtype or base[n].shape != new[n].shape]
+        new_digest = update_digest(base_digest, new, [r.change for r in records if r.change is not None], whole)
     version = params.format_version
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
     coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
@@ -328,7 +340,7 @@ def encode(
     data = b"".join([encode_header(header, version), *(r.data for r in records), end])
     history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
     codings = dict(sorted(Counter(r.coding for r in records if r.coding).items()))
-    return EncodedPatch(data, history, codings)
+    return EncodedPatch(data, history, codings, new_digest)
 
 
 def _removal(params: CodecParams, name: str) -> _Record:

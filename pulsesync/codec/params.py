@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pulsesync.codec.format import ValueCoding
 from pulsesync.digest import DEFAULT_ALGORITHM, DigestAlgorithm
@@ -30,8 +30,19 @@ class CodecParams(BaseModel):
     chunk_elements: int = Field(
         1 << 22, ge=1 << 10, le=1 << 30, description="elements per record: the unit of parallelism and streaming"
     )
-    digest_algorithm: DigestAlgorithm = Field(DEFAULT_ALGORITHM, description="state digest: xxh3-128 or sha256")
+    digest_algorithm: DigestAlgorithm = Field(
+        DEFAULT_ALGORITHM,
+        description="state digest: mixsum-128 (default; updated in O(patch)), xxh3-128 or sha256 (changed tensors "
+        "hashed whole); format 1 defaults to xxh3-128, which subscribers before 0.2 read",
+    )
     threads: int | None = Field(None, ge=1, description="worker threads; default: every available CPU")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format1_digest(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("format_version") == 1 and "digest_algorithm" not in data:
+            return {**data, "digest_algorithm": "xxh3-128"}
+        return data
 
     @property
     def adaptive(self) -> bool:

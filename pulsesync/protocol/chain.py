@@ -128,6 +128,11 @@ class ChainClient:
         await self.refresh()
         return self._ready
 
+    @property
+    def listed(self) -> dict[int, set[layout.Kind]]:
+        """Ready steps and their kinds as of the last listing (no store request)."""
+        return self._ready
+
     def _forget(self, step: int, kind: layout.Kind) -> None:
         kinds = self._ready.get(step, set())
         kinds.discard(kind)
@@ -149,10 +154,19 @@ class ChainClient:
     async def manifest(
         self, step: int, kind: layout.Kind, newer_than: int | None = None
     ) -> PatchManifest | AnchorManifest:
-        """The verified manifest of a step's patch or anchor."""
+        """The verified manifest of a step's patch or anchor (a marker verified before is not read again)."""
         key = layout.ready_key(step, kind)
-        data = await self.marker(step, kind)
-        manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
+        known = self._verified.get(step)
+        if known is not None and known[1].kind == kind:  # markers never change (put-if-absent): no second GET
+            data, manifest = known
+            if newer_than is not None and manifest.step <= newer_than:
+                raise ReplayError(
+                    f"{self.store.url}{key}: step {manifest.step} is not newer than the held step {newer_than} (replay)"
+                )
+        else:
+            data = await self.marker(step, kind)
+            manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
+            self.manifests_verified += 1
         if manifest.step < step:  # an old, validly signed manifest put back under a newer key
             raise ReplayError(f"{self.store.url}{key}: holds the manifest of the older step {manifest.step} (replay)")
         if manifest.step != step or manifest.kind != kind:
@@ -162,7 +176,6 @@ class ChainClient:
                 f"{self.store.url}{key}: signed for stream {manifest.stream_id!r}, this chain is stream "
                 f"{self.stream_id!r} (copied from another run or prefix)"
             )
-        self.manifests_verified += 1
         self.published_at[step] = manifest.created
         self._verified[step] = (data, manifest)
         while len(self._verified) > _VERIFIED_KEPT:
@@ -195,11 +208,7 @@ class ChainClient:
         """An object's bytes, checked against the size and SHA-256 its manifest lists."""
         data = await self.store.get(ref.key, max_size=ref.size)  # a larger object stops at size + 1 bytes
         self.bytes_downloaded += len(data)
-        if len(data) != ref.size:
-            raise IntegrityError(f"{self.store.url}{ref.key}: {len(data)} bytes, its manifest lists {ref.size}")
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        if sha != ref.sha256:
-            raise IntegrityError(f"{self.store.url}{ref.key}: SHA-256 {sha} does not match its manifest ({ref.sha256})")
+        await asyncio.to_thread(check_object, ref, data, f"{self.store.url}{ref.key}")
         return data
 
     async def load_anchor(
@@ -307,10 +316,12 @@ class ChainClient:
         window: int = 4,
         undo: list[UndoLog] | None = None,
         reference: PatchHistory | None = None,
+        applied: list[tuple[PatchManifest, bytes]] | None = None,
     ) -> tuple[StateDigest, PatchHistory | None]:
         """Apply patches in order, downloading up to `window` patches ahead of the one being applied.
 
         With `undo`, one log per patch started is appended there, so the caller can roll back.
+        With `applied`, each patch applied is appended there with its bytes (the state cache's journal).
         `reference` is the history of the patch that produced `state` (None after an anchor).
         Returns the new digest and the last patch's history.
         """
@@ -332,11 +343,22 @@ class ChainClient:
                 log_ = undo[-1] if undo is not None else None
                 digest = await self.apply(state, digest, link, data, log_, reference, history)
                 reference = history
+                if applied is not None:
+                    applied.append((link, data))
         finally:
             for task in fetches.values():
                 task.cancel()
             await asyncio.gather(*fetches.values(), return_exceptions=True)
         return digest, reference
+
+
+def check_object(ref: ObjectRef, data: bytes, where: str) -> None:
+    """IntegrityError unless `data` has the size and SHA-256 its manifest lists."""
+    if len(data) != ref.size:
+        raise IntegrityError(f"{where}: {len(data)} bytes, its manifest lists {ref.size}")
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != ref.sha256:
+        raise IntegrityError(f"{where}: SHA-256 {sha} does not match its manifest ({ref.sha256})")
 
 
 def check_digest(actual: StateDigest, expected: StateDigest, what: str) -> None:

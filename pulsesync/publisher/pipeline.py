@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import metrics, state_cache
 from pulsesync.codec import PatchHistory, encode, read_header
-from pulsesync.digest import StateDigest, state_digest
+from pulsesync.digest import INCREMENTAL, StateDigest, state_digest
 from pulsesync.dtypes import State
 from pulsesync.errors import (
     ConfigError,
@@ -260,20 +260,23 @@ class AsyncPublisher:
     async def _publish_step(self, snap: HostCopy) -> None:
         self._files |= snap.files
         t0 = time.perf_counter()
-        digest = await asyncio.to_thread(
-            state_digest, snap.state, self.config.codec.digest_algorithm, self.config.codec.threads
-        )
+        algorithm = self.config.codec.digest_algorithm
+        digest: StateDigest | None = None
+        if self._base is None or algorithm not in INCREMENTAL or self._base.digest.algorithm != algorithm:
+            digest = await self._full_digest(snap.state)
+        # else: the encoder updates the baseline's digest from the changed elements (O(patch))
         timing = (snap.seconds, time.perf_counter() - t0)  # snapshot_s, digest_s
         await self._check_prefix(snap.step)
         if self._base is None:
+            assert digest is not None
             return await self._anchor_instead(snap, digest, timing)
         try:
-            report = await self._publish_patch(snap, digest, timing)
+            report, digest = await self._publish_patch(snap, digest, timing)
         except ConflictError:
             raise
         except PulseSyncError as e:
             log.warning("step %d: the patch failed (%s); publishing an anchor for this step instead", snap.step, e)
-            return await self._anchor_instead(snap, digest, timing)
+            return await self._anchor_instead(snap, await self._full_digest(snap.state), timing)
         self._advance(snap, digest)
         self._schedule.patch_committed(report.wire_bytes)
         if self._schedule.due and (self._background is None or self._background.done()):
@@ -281,6 +284,10 @@ class AsyncPublisher:
             self._history = None
             self._pool.retain(snap.state)  # released when the anchor is done
             self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest))
+
+    async def _full_digest(self, state: State) -> StateDigest:
+        codec = self.config.codec
+        return await asyncio.to_thread(state_digest, state, codec.digest_algorithm, codec.threads)
 
     async def _anchor_instead(self, snap: HostCopy, digest: StateDigest, timing: tuple[float, float]) -> None:
         """Publish the step as an anchor (no baseline yet, or its patch failed) and advance to it."""
@@ -295,7 +302,10 @@ class AsyncPublisher:
         if old is not None:
             self._pool.release(old.state)
 
-    async def _publish_patch(self, snap: HostCopy, digest: StateDigest, timing: tuple[float, float]) -> StepReport:
+    async def _publish_patch(
+        self, snap: HostCopy, digest: StateDigest | None, timing: tuple[float, float]
+    ) -> tuple[StepReport, StateDigest]:
+        """Encode, upload and commit a step's patch; returns its report and the new state's digest."""
         base = self._base
         assert base is not None
         report = StepReport(snap.step, "patch", snapshot_s=timing[0], digest_s=timing[1])
@@ -309,7 +319,7 @@ class AsyncPublisher:
             encoded = await asyncio.to_thread(
                 encode, base.state, snap.state, params, base_digest=base.digest, new_digest=digest, reference=reference
             )
-            patch = encoded.data
+            patch, digest = encoded.data, encoded.digest
             ref = ObjectRef(key=key, size=len(patch), sha256=encoded.history.sha256)
             header = read_header(patch)
             report.changed_elements, report.wire_bytes = header.changed_elements, len(patch)
@@ -332,13 +342,37 @@ class AsyncPublisher:
             self._history, self._history_ref = encoded.history, ref
             report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
             report.ok = True
-            return report
+            return report, digest
         except PulseSyncError as e:
             report.error = f"{type(e).__name__}: {e}"
             raise
         finally:
             report.skipped_total = self.skipped
             self._report(report)
+
+    async def _scrubbed(self, step: int, state: State, kept: StateDigest) -> StateDigest:
+        """The full digest of an anchor's state; one differing from the incrementally kept digest is reported.
+
+        A mismatch means the baseline diverged from what was published (memory corruption, a bug):
+        the patches since the last anchor do not verify at subscribers (they fall back), and this
+        anchor, with its fully computed digest, starts a sound chain again.
+        """
+        if kept.algorithm not in INCREMENTAL:
+            return kept  # computed in full already
+        full = await self._full_digest(state)
+        metrics.SCRUBBED_BYTES.labels("publisher").inc(dense_bytes(state))
+        ok = full.root == kept.root
+        metrics.SCRUBS.labels("publisher", "ok" if ok else "mismatch").inc()
+        if not ok:
+            log.error(
+                "anchor %d: the state digest kept incrementally (%s) differs from the full one (%s; %s): the baseline "
+                "diverged; publishing the anchor with the full digest",
+                step,
+                kept.root,
+                full.root,
+                full.describe_mismatch(kept),
+            )
+        return full
 
     async def _publish_anchor(self, step: int, state: State, digest: StateDigest, timing: tuple[float, float]) -> None:
         report = StepReport(step, "anchor", snapshot_s=timing[0], digest_s=timing[1])
@@ -353,6 +387,7 @@ class AsyncPublisher:
                 )
             except OSError as e:  # e.g. the spool disk is full: this anchor fails, the publisher goes on
                 raise PulseSyncError(f"anchor {step}: cannot write its shards to {spool} ({e})") from e
+            digest = await self._scrubbed(step, state, digest)
             t1 = time.perf_counter()
             prefix = layout.anchor_dir(step, self.run_id)
             refs = []

@@ -15,6 +15,13 @@ class SubscriberConfig(Config):
 
     trusted_keys: list[Path] = Field(default_factory=list, description="public keys whose manifests are accepted")
     cache_dir: Path | None = Field(None, description="the verified state persists here; a restart resumes from it")
+    cache_journal_ratio: float = Field(
+        2.0,
+        ge=0,
+        description="cache_dir keeps a base state and journals each fast-path patch after it; past this many times "
+        "the state's bytes of journal, the state is written as the new base (amortized: the patch plus half of it "
+        "per step at 2.0; a restart replays at most this much); 0: always write the whole state",
+    )
     out_dir: Path | None = Field(None, description="shorthand for a `directory` sink writing here")
     step: int | None = Field(None, ge=0, description="sync to this step instead of the newest")
     poll_seconds: float = Field(2.0, gt=0, description="how often the daemon lists new ready markers")
@@ -30,6 +37,15 @@ class SubscriberConfig(Config):
     )
     sync_deadline_seconds: float = Field(
         1800.0, gt=0, description="a sync running longer is cut off (DeadlineError); /healthz reports one that is not"
+    )
+    scrub_interval_seconds: float | None = Field(
+        3600.0,
+        gt=0,
+        description="the daemon re-hashes the whole served state this often, against the digest kept incrementally "
+        "(catches memory corruption; a mismatch rebuilds from an anchor); null: never",
+    )
+    scrub_bytes_per_second: float = Field(
+        256 << 20, gt=0, description="how fast a scrub reads the state: it shares the cores with the engine"
     )
     sinks: list[SinkConfig] = Field(default_factory=list, description="where verified states go, in order")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics and /healthz on this port")

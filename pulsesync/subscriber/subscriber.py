@@ -38,7 +38,7 @@ from tenacity import (
 
 from pulsesync import metrics, state_cache
 from pulsesync.codec import PatchHistory, UndoLog, fused
-from pulsesync.digest import StateDigest
+from pulsesync.digest import StateDigest, TensorHasher
 from pulsesync.errors import (
     ConfigError,
     DeadlineError,
@@ -53,8 +53,8 @@ from pulsesync.errors import (
     StoreError,
 )
 from pulsesync.protocol import signing
-from pulsesync.protocol.chain import ChainClient
-from pulsesync.protocol.manifest import verify_manifest
+from pulsesync.protocol.chain import ChainClient, check_object
+from pulsesync.protocol.manifest import PatchManifest, verify_manifest
 from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
 from pulsesync.subscriber.config import SubscriberConfig
@@ -70,6 +70,10 @@ _NOT_A_VERIFICATION_FAILURE = (
     DeadlineError,
     MissingReferenceError,  # a history-coded patch after a restart: the slow path rebuilds the history
 )
+
+
+class _Changed(Exception):
+    """The held state changed while a scrub was reading a tensor."""
 
 
 @dataclass
@@ -94,6 +98,7 @@ class _Staged(VerifiedState):
     path: str = ""
     undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
     history: PatchHistory | None = None  # of the last patch applied: the next patch's reference
+    patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
 
     def rollback(self) -> None:
         """Undo in-place patches, newest first."""
@@ -116,6 +121,7 @@ class SubscriberStatus:
     rejected_markers: int = 0  # ready markers skipped because they do not verify
     last_rejected: str | None = None
     sync_running_seconds: float | None = None
+    diverged: str | None = None  # a scrub found the held state differs from its digest (rebuilt at the next sync)
 
 
 class Subscriber:
@@ -150,6 +156,12 @@ class Subscriber:
         self._warm_up: asyncio.Future[None] | None = None
         self._sync_started: float | None = None  # monotonic time the running sync began
         self._unsaved = False  # the served state is not in cache_dir yet (the last save failed)
+        self._version = 0  # bumped whenever the held state is about to change (a scrub then starts over)
+        self._diverged: str | None = None  # a scrub found the held state differs from its digest: rebuild
+        # Patches applied since the state in cache_dir, to journal; None: the whole state must be written.
+        self._journal: list[tuple[PatchManifest, bytes]] | None = None
+        self._compacting: asyncio.Task[None] | None = None
+        self.cache_bytes_written = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,11 +173,46 @@ class Subscriber:
         cached = await asyncio.to_thread(state_cache.load, self.config.cache_dir, self.config.codec.threads)
         if cached is None:
             return
+        await self._replay(cached)
         if not await self._authentic(cached):
             return
+        self._journal = []
         log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
         staged = _Staged(cached.step, cached.state, cached.digest, cached.files, "cache", history=cached.history)
         await self._activate(staged, persist=False)
+
+    async def _replay(self, cached: state_cache.CachedState) -> None:
+        """Apply the cache's journal to its base, each entry verified as a patch from the store would be.
+
+        Replay stops at the first entry that does not verify or link up (its files are removed):
+        the state up to there is verified and is resumed from.
+        """
+        assert self.config.cache_dir is not None
+        for entry in cached.journal:
+            where = f"the state cache in {self.config.cache_dir}: journal entry {entry.step}"
+            undo = UndoLog()
+            try:
+                raw, data = await asyncio.to_thread(entry.read)
+                manifest = verify_manifest(raw, self.chain.trusted, newer_than=cached.step, name=where)
+                if not isinstance(manifest, PatchManifest) or (manifest.step, manifest.base_step) != (
+                    entry.step,
+                    cached.step,
+                ):
+                    raise IntegrityError(
+                        f"{where}: holds the {manifest.kind} of step {manifest.step}, not a patch "
+                        f"from step {cached.step}"
+                    )
+                check_object(manifest.objects[0], data, where)
+                history = PatchHistory(manifest.objects[0].sha256)
+                cached.digest = await self.chain.apply(
+                    cached.state, cached.digest, manifest, data, undo, cached.history, history
+                )
+            except (PulseSyncError, OSError) as e:
+                undo.rollback(cached.state)
+                log.warning("%s: not replayed (%s: %s); resuming from step %d", where, type(e).__name__, e, cached.step)
+                await asyncio.to_thread(state_cache.truncate_journal, self.config.cache_dir, entry.step)
+                return
+            cached.step, cached.marker, cached.history = manifest.step, raw, history
 
     async def _authentic(self, cached: state_cache.CachedState) -> bool:
         """Whether a signed manifest vouches for the cached state: the store's for its step, else the cached copy.
@@ -211,8 +258,19 @@ class Subscriber:
             log.info("following publishing stream %s", stream_id)
         self.status.stream_id = self.chain.stream_id
 
+    async def _compacted(self) -> None:
+        """Wait for a compaction of the state cache to finish (it holds the state lock); a failed one is retried."""
+        if self._compacting is not None:
+            try:
+                await self._compacting
+            except LocalWriteError as e:
+                log.error("%s; retried at the next sync", e)
+            finally:
+                self._compacting = None
+
     async def close(self) -> None:
-        """Release the store."""
+        """Finish writing the state cache; release the store."""
+        await self._compacted()
         if self._warm_up is not None:
             await asyncio.wait([self._warm_up])
         await self.store.close()
@@ -243,6 +301,7 @@ class Subscriber:
 
     async def _sync(self, target: int | None) -> SyncResult:
         t0, downloaded = time.perf_counter(), self.chain.bytes_downloaded
+        await self._compacted()
         newest = await self.chain.newest_verified()
         self.status.rejected_markers = len(self.chain.rejected)
         self.status.last_rejected = next(reversed(self.chain.rejected.values()), None)
@@ -250,7 +309,7 @@ class Subscriber:
             if self.chain.last_rejection is not None:  # say why: e.g. every marker is signed by an unknown key
                 raise self.chain.last_rejection
             raise NotFoundError(f"{self.store.url}: no ready steps yet")
-        ready = await self.chain.ready()
+        ready = self.chain.listed  # newest_verified() just listed: one LIST per sync
         target = target if target is not None else self.config.step if self.config.step is not None else newest
         if target not in ready:
             raise NotFoundError(f"{self.store.url}: step {target} is not ready (newest is {newest})")
@@ -259,6 +318,8 @@ class Subscriber:
         staged: _Staged | None = None
         if self._undelivered is not None and self._undelivered.step == target:
             staged = self._undelivered
+        elif self._diverged is not None:  # the held state is not what its digest says: rebuild it
+            staged = await self._slow(target)
         elif target != self.step:
             if self.state is not None:
                 try:
@@ -298,9 +359,10 @@ class Subscriber:
             return None  # a gap (pruned, or an anchor in place of a failed patch), or another chain
         staged = _Staged(target, self.state, self.digest, self.files, "fast" if len(links) == 1 else "chain")
         self._state_lock.acquire()
+        self._version += 1
         try:
             staged.digest, staged.history = await self.chain.apply_chain(
-                self.state, self.digest, links, undo=staged.undo, reference=self.history
+                self.state, self.digest, links, undo=staged.undo, reference=self.history, applied=staged.patches
             )
         except BaseException:
             staged.rollback()
@@ -340,6 +402,8 @@ class Subscriber:
             if staged.state is self.state:  # patched in place: _incremental took the lock
                 self._state_lock.release()
         self._undelivered = None
+        self._version += 1
+        self._diverged = None
         self.state, self.digest, self.step, self.files = staged.state, staged.digest, staged.step, staged.files
         self.history = staged.history
         self.status.step, self.status.digest = staged.step, staged.digest.root
@@ -347,17 +411,109 @@ class Subscriber:
         log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
         if (found := self.chain.verified_marker(staged.step)) is not None:
             self._learn_stream(found[1].stream_id)
-        self._unsaved = persist and self.config.cache_dir is not None
+        if persist and self.config.cache_dir is not None:
+            self._unsaved = True
+            in_place = staged.undo and self._journal is not None
+            self._journal = [*self._journal, *staged.patches] if in_place and self._journal is not None else None
 
     async def _save(self) -> None:
-        """Persist the served state to cache_dir; a failure (LocalWriteError) is retried at the next sync."""
-        assert self.config.cache_dir is not None and self.state is not None and self.digest is not None
+        """Persist the served state to cache_dir: journal the patches since the cached state, or compact.
+
+        Compaction (the whole state as the new base) runs in the background; the next sync waits for
+        it. A failure (LocalWriteError) is retried at the next sync.
+        """
+        cache_dir = self.config.cache_dir
+        assert cache_dir is not None and self.state is not None and self.digest is not None
+        journal = self._journal
+        if journal:
+            held = sum(t.numel() * t.element_size() for t in self.state.values())
+            added = sum(len(data) for _, data in journal)
+            budget = self.config.cache_journal_ratio * held
+            if await asyncio.to_thread(state_cache.journal_bytes, cache_dir) + added <= budget:
+                while journal:  # what was journaled before a failure is not written again
+                    manifest, data = journal[0]
+                    written = await asyncio.to_thread(
+                        state_cache.append, cache_dir, manifest.step, manifest.to_bytes(), data
+                    )
+                    self._count_cache_bytes("journal", written)
+                    journal.pop(0)
+                self._unsaved = False
+                return
         found = self.chain.verified_marker(self.step)
         served = VerifiedState(self.step, self.state, self.digest, self.files)
-        with self._state_lock:  # not patched while it is written out
-            marker = found[0] if found else None
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, served, marker, self.history)
-        self._unsaved = False
+        marker, history = (found[0] if found else None), self.history
+        self._state_lock.acquire()  # not patched while it is written out; released by the thread
+        self._unsaved, background, self._journal = False, journal is not None, []
+
+        def write_base() -> None:
+            try:
+                state_cache.save(cache_dir, served, marker, history)
+                self._count_cache_bytes("base", sum(t.numel() * t.element_size() for t in served.state.values()))
+            except LocalWriteError:
+                self._unsaved, self._journal = True, None
+                raise
+            finally:
+                self._state_lock.release()
+
+        if not background:  # a new base (cold start, slow path): written before the sync returns
+            await asyncio.to_thread(write_base)
+            return
+        # Compaction: the journal outgrew its budget. The next sync waits for it (it holds the lock).
+        self._compacting = asyncio.ensure_future(asyncio.to_thread(write_base))
+
+    def _count_cache_bytes(self, kind: str, written: int) -> None:
+        self.cache_bytes_written += written
+        metrics.CACHE_BYTES_WRITTEN.labels(kind).inc(written)
+
+    # --- scrub ------------------------------------------------------------------------------------
+    async def scrub(self, bytes_per_second: float | None = None, piece_bytes: int = 64 << 20) -> list[str]:
+        """Re-hash the whole served state against its digest, paced; returns the tensors that differ.
+
+        The fast path keeps the digest up to date from the changed elements alone, so memory
+        corruption in the other 99% would go unseen: this catches it. A tensor the state changed
+        under (a sync) is skipped until the next scrub. A mismatch is counted, logged and makes the
+        next sync rebuild the state from an anchor (the sinks then get the verified state again).
+        """
+        rate = bytes_per_second or self.config.scrub_bytes_per_second
+        if self.state is None or self.digest is None:
+            return []
+        bad = []
+        for name in sorted(self.digest.tensors):
+            version, state, expected = self._version, self.state, self.digest
+            if name not in state:
+                continue
+            hasher = TensorHasher(state[name], expected.algorithm)
+            piece = max(piece_bytes // state[name].element_size(), 1)
+            while hasher.hashed < hasher.flat.numel() and version == self._version:
+                t0 = time.perf_counter()
+                with contextlib.suppress(_Changed):
+                    await asyncio.to_thread(self._hash_piece, hasher, piece, version)
+                await asyncio.sleep(max(piece_bytes / rate - (time.perf_counter() - t0), 0.0))
+            if version != self._version:
+                continue  # patched meanwhile: scrubbed again next time
+            metrics.SCRUBBED_BYTES.labels("subscriber").inc(hasher.flat.numel() * hasher.flat.element_size())
+            if hasher.digest() != expected.tensors[name]:
+                bad.append(name)
+        metrics.SCRUBS.labels("subscriber", "mismatch" if bad else "ok").inc()
+        if bad:
+            self._diverged = f"scrub: the held tensors {bad[:5]} differ from the digest of step {self.step}"
+            log.error("%s; the next sync rebuilds the state from an anchor", self._diverged)
+        return bad
+
+    def _hash_piece(self, hasher: TensorHasher, elements: int, version: int) -> None:
+        with self._state_lock:  # never while a sync patches the state
+            if version != self._version:
+                raise _Changed
+            hasher.update(elements)
+
+    async def _scrub_periodically(self, stop: asyncio.Event) -> None:
+        interval = self.config.scrub_interval_seconds
+        assert interval is not None
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            if not stop.is_set():
+                await self.scrub()
 
     # --- in-process sink -------------------------------------------------------------------------
     def apply_to(self, module: torch.nn.Module) -> None:
@@ -440,7 +596,9 @@ class Subscriber:
         running = None if self._sync_started is None else time.monotonic() - self._sync_started
         self.status.sync_running_seconds = running
         stuck = running is not None and running > self.config.sync_deadline_seconds  # its cut-off did not take
+        self.status.diverged = self._diverged
         ok = self.state is not None and self.status.consecutive_failures < self.config.unhealthy_after and not stuck
+        ok = ok and self._diverged is None
         return ok, asdict(self.status) | {"healthy": ok}
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -449,6 +607,9 @@ class Subscriber:
         runner = None
         if self.config.metrics_port is not None:
             runner = await metrics.serve_with_health(self.config.metrics_port, self.healthy)
+        scrubbing = None
+        if self.config.scrub_interval_seconds is not None:
+            scrubbing = asyncio.create_task(self._scrub_periodically(stop), name="pulsesync-scrub")
         try:
             while not stop.is_set():
                 result = None
@@ -465,5 +626,8 @@ class Subscriber:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
         finally:
+            if scrubbing is not None:
+                scrubbing.cancel()
+                await asyncio.gather(scrubbing, return_exceptions=True)
             if runner is not None:
                 await runner.cleanup()

@@ -146,3 +146,8 @@ def copying_loader(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torc
                 params[name].data.copy_(t)
 
     return reload
+
+
+def flip_byte(data: bytes) -> bytes:
+    """The bytes with one bit of byte 100 flipped."""
+    return data[:100] + bytes([data[100] ^ 0x20]) + data[101:]
