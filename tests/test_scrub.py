@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulsesync import metrics
 from pulsesync.publisher import AsyncPublisher, PublisherConfig
 from pulsesync.store import FileStore
+from pulsesync.subscriber import Subscriber
 from tests.support.helpers import assert_states_equal
 from tests.support.subscribing import subscriber
 
@@ -28,6 +29,17 @@ def _states() -> list[dict[str, torch.Tensor]]:
     return [step0, step1]
 
 
+async def _published(tmp_path: Path, key: Ed25519PrivateKey) -> tuple[Subscriber, list[dict[str, torch.Tensor]]]:
+    """The two steps published; a subscriber serving step 0."""
+    store, states = FileStore(tmp_path / "store"), _states()
+    async with AsyncPublisher(PublisherConfig(anchor_interval=100), store=store, signing_key=key) as pub:
+        for step, state in enumerate(states):
+            await pub.publish(step, state)
+    sub = subscriber(store, key)
+    await sub.sync(0)
+    return sub, states
+
+
 def _flip(t: torch.Tensor, index: int) -> None:
     t.view(-1).view(torch.int16)[index] ^= 1
 
@@ -41,12 +53,7 @@ async def test_one_flipped_bit_anywhere_is_caught_and_rebuilt(
     tmp_path: Path, key: Ed25519PrivateKey, name: str, index: int
 ) -> None:
     """Touched element, untouched element of a touched tensor, untouched tensor: all caught."""
-    store, states = FileStore(tmp_path / "store"), _states()
-    async with AsyncPublisher(PublisherConfig(anchor_interval=100), store=store, signing_key=key) as pub:
-        for step, state in enumerate(states):
-            await pub.publish(step, state)
-    sub = subscriber(store, key)
-    await sub.sync(0)
+    sub, states = await _published(tmp_path, key)
     assert (await sub.sync(1)).path == "fast"  # the digest was kept up to date from the 3 changed elements
     assert sub.digest is not None and sub.digest.algorithm == "mixsum-128"
     assert await sub.scrub(bytes_per_second=1e12) == []  # intact: nothing reported
@@ -63,12 +70,7 @@ async def test_one_flipped_bit_anywhere_is_caught_and_rebuilt(
 
 
 async def test_a_scrub_is_paced_and_skips_what_a_sync_changes_under_it(tmp_path: Path, key: Ed25519PrivateKey) -> None:
-    store, states = FileStore(tmp_path / "store"), _states()
-    async with AsyncPublisher(PublisherConfig(anchor_interval=100), store=store, signing_key=key) as pub:
-        for step, state in enumerate(states):
-            await pub.publish(step, state)
-    sub = subscriber(store, key)
-    await sub.sync(0)
+    sub, _ = await _published(tmp_path, key)
     held = sum(t.numel() * t.element_size() for t in sub.state.values())  # type: ignore[union-attr]
     # 16 KiB at 64 KiB/s: about a quarter of a second, in 1 KiB pieces; a sync lands in the middle.
     scrub = asyncio.create_task(sub.scrub(bytes_per_second=64 << 10, piece_bytes=1024))

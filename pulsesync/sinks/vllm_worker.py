@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pulsesync.digest import DigestAlgorithm, state_digest
+from pulsesync.digest import DEFAULT_ALGORITHM, DigestAlgorithm, state_digest
 from pulsesync.errors import EngineError
 from pulsesync.sinks.weight_update import WeightUpdate
 
@@ -305,7 +305,7 @@ class PulseSyncWorkerExtension:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
         return self._pulsesync().apply(WeightUpdate.from_file(tensors, meta, path), path)
 
-    def pulsesync_digest(self, algorithm: DigestAlgorithm = "xxh3-128") -> dict[str, Any]:
+    def pulsesync_digest(self, algorithm: DigestAlgorithm = DEFAULT_ALGORITHM) -> dict[str, Any]:
         """State digest of what this worker holds (tied names included), to compare with the published one."""
         applier = self._pulsesync()
         digest = state_digest(applier.engine_state(), algorithm)
