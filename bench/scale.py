@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -50,14 +49,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, load_pem_private_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pulsesync import mixsum
 from pulsesync.codec import fused
+from pulsesync.dtypes import dense_bytes
 from pulsesync.protocol import signing
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.store import FileStore, ObjectInfo, ProgressCallback, S3Store, Store, TransferResult
+from pulsesync.store import FileStore, S3Store
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.synthetic import llm_like_shapes
+from tests.support.recording_store import RecordingStore
 
 Spec = dict[str, Any]  # {"shapes": {name: shape}, "changes": int, "steps": int, "dtype": str}
 
@@ -137,10 +139,6 @@ def state_at(spec: Spec, step: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def nbytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
 # --- measuring ---------------------------------------------------------------------------------------
 def rss(field: str = "VmRSS") -> int:
     """A /proc/self/status memory figure in bytes (VmHWM: the peak)."""
@@ -155,85 +153,16 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-class CountingStore(Store):
-    """Counts every store call and the bytes read, by operation, around a real store."""
-
-    def __init__(self, inner: Store) -> None:
-        self.inner, self.url = inner, inner.url
-        self.calls: Counter[str] = Counter()
-        self.bytes_read = 0
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def get(self, key: str, max_size: int | None = None) -> bytes:
-        self.calls["GET"] += 1
-        data = await self.inner.get(key, max_size)
-        self.bytes_read += len(data)
-        return data
-
-    async def get_range(self, key: str, start: int, end: int) -> bytes:
-        self.calls["GET"] += 1
-        data = await self.inner.get_range(key, start, end)
-        self.bytes_read += len(data)
-        return data
-
-    def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
-        self.calls["GET"] += 1
-        return self.inner.stream(key, chunk_size)
-
-    async def head(self, key: str) -> ObjectInfo:
-        self.calls["HEAD"] += 1
-        return await self.inner.head(key)
-
-    async def _list(self, prefix: str, start_after: str | None) -> AsyncIterator[ObjectInfo]:
-        self.calls["LIST"] += 1
-        async for info in self.inner.list(prefix, start_after):
-            yield info
-
-    def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
-        return self._list(prefix, start_after)
-
-    async def put(self, key: str, data: bytes) -> None:
-        self.calls["PUT"] += 1
-        await self.inner.put(key, data)
-
-    async def put_if_absent(self, key: str, data: bytes) -> None:
-        self.calls["PUT"] += 1
-        await self.inner.put_if_absent(key, data)
-
-    async def delete_many(self, keys: Iterable[str]) -> None:
-        self.calls["DELETE"] += 1
-        await self.inner.delete_many(keys)
-
-    async def upload_file(self, key: str, path: Path, progress: ProgressCallback | None = None) -> TransferResult:
-        self.calls["PUT"] += 1
-        return await self.inner.upload_file(key, path, progress)
-
-    async def download_file(
-        self,
-        key: str,
-        path: Path,
-        progress: ProgressCallback | None = None,
-        expected_sha256: str | None = None,
-        expected_size: int | None = None,
-    ) -> TransferResult:
-        self.calls["GET"] += 1
-        done = await self.inner.download_file(key, path, progress, expected_sha256, expected_size)
-        self.bytes_read += done.size
-        return done
-
-
 # --- the two processes -----------------------------------------------------------------------------
-def _publisher_config(anchor_interval: int = 10**6) -> PublisherConfig:
-    # 256 MiB shards: a cold start holds the state plus one shard (docs/scale.md)
-    return PublisherConfig(anchor_interval=anchor_interval, on_backpressure="block", shard_size=256 << 20)
+def _publisher_config() -> PublisherConfig:
+    """One anchor (step 0), then patches; 256 MiB shards: a cold start holds the state plus one (docs/scale.md)."""
+    return PublisherConfig(anchor_interval=10**6, on_backpressure="block", shard_size=256 << 20)
 
 
 async def run_publisher(spec: Spec, store_dir: Path, key_pem: bytes) -> dict[str, Any]:
     """Publish steps 0..steps (an anchor, then patches); the peak RSS beyond the trainer's state."""
     state = initial_state(spec)
-    model = nbytes(state)
+    model = dense_bytes(state)
     before = rss()
     reset_peak()
     key = load_pem_private_key(key_pem, None)
@@ -252,8 +181,9 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     """Cold start from the anchor, then follow each patch with a state cache; check the last state bit for bit."""
     key = load_pem_private_key(key_pem, None)
     assert isinstance(key, Ed25519PrivateKey)
-    fused.warm_up()
-    store = CountingStore(FileStore(store_dir))
+    fused.warm_up()  # compiled before the peak is reset: the kernels' memory is not the subscriber's
+    mixsum.warm_up()
+    store = RecordingStore(FileStore(store_dir))
     config = SubscriberConfig(cache_dir=cache_dir, scrub_interval_seconds=None)
     before = rss()
     reset_peak()
@@ -261,7 +191,7 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     await sub.start()
     cold = await sub.sync(0)
     assert sub.state is not None
-    model = nbytes(sub.state)
+    model = dense_bytes(sub.state)
     cold_peak = rss("VmHWM") - before
     reset_peak()
     fast_rss0 = rss()
@@ -335,7 +265,7 @@ async def fanout(subscribers: int, spec: Spec, endpoint: str, server: str) -> di
     key = Ed25519PrivateKey.generate()
     prefix = f"fanout-{time.time_ns()}"
     publisher_store = S3Store("pulsesync-test", prefix, endpoint_url=endpoint)
-    stores = [CountingStore(S3Store("pulsesync-test", prefix, endpoint_url=endpoint)) for _ in range(subscribers)]
+    stores = [RecordingStore(S3Store("pulsesync-test", prefix, endpoint_url=endpoint)) for _ in range(subscribers)]
     config = SubscriberConfig(scrub_interval_seconds=None)
     trusted = signing.trusted_keys([key.public_key()])
     subs = [Subscriber(config, store=s, trusted=trusted) for s in stores]
@@ -374,7 +304,7 @@ async def fanout(subscribers: int, spec: Spec, endpoint: str, server: str) -> di
     return {
         "server": server,
         "subscribers": subscribers,
-        "model_bytes": nbytes(state),
+        "model_bytes": dense_bytes(state),
         "steps": per_step,
         "requests_per_subscriber_step": sum(sum(p["requests"].values()) for p in patches)
         / (len(patches) * subscribers),

@@ -22,6 +22,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.codec import CodecParams
+from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import ConflictError
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
@@ -136,7 +137,7 @@ async def _demo(
             if step:
                 trainer.step()
             state = trainer.state()
-            dense = sum(t.numel() * t.element_size() for t in state.values())
+            dense = dense_bytes(state)
             await publisher.publish(step, state)
             await publisher.flush()  # the demo's subscribers read each step right after it commits
             published = [r for r in publisher.reports if r.step == step and r.ok]

@@ -83,7 +83,7 @@ class TensorHasher:
     """One tensor's digest, hashed piece by piece in element order (a scrub paces itself between pieces)."""
 
     def __init__(self, t: torch.Tensor, algorithm: DigestAlgorithm = DEFAULT_ALGORITHM) -> None:
-        self.tensor, self.algorithm = t, algorithm
+        self.tensor = t
         self.flat = flat_bits(t)
         self.hashed = 0  # elements hashed so far
         self._lanes = (0, 0)
@@ -139,8 +139,10 @@ def update_digest(
     tensors = {n: d for n, d in base.tensors.items() if n in state}
     lanes: dict[str, tuple[int, int]] = {}
     for change in changes:
-        if change.name in rehash or change.name not in tensors:
-            rehash.add(change.name) if change.name in state else None
+        if change.name not in state:
+            continue
+        if change.name in rehash or change.name not in tensors:  # no digest to update: hash it whole
+            rehash.add(change.name)
             continue
         flat, old_bits = flat_bits(state[change.name]), mixsum.unsigned(change.old)
         if change.positions is None:  # a dense chunk: every element

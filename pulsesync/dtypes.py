@@ -106,3 +106,8 @@ def describe(t: torch.Tensor) -> str:
     """Short human description like 'BF16[4096, 11008]'."""
     info = _BY_TORCH.get(t.dtype)
     return f"{info.name if info else t.dtype}{list(t.shape)}"
+
+
+def dense_bytes(state: State) -> int:
+    """Bytes of a state's raw values."""
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -41,7 +41,7 @@ MARKER_FILE = "ready-marker.json"  # a copy of the signed manifest of the cached
 HISTORY_FILE = "patch-history.safetensors"  # what the cached step's patch changed (format-2 references)
 FILES_DIR = "files"
 JOURNAL_DIR = "journal"
-_ENTRY_RE = re.compile(r"([0-9]{12})\.json")
+_ENTRY_RE = re.compile(r"([0-9]{12})\.(json|patch)")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ def save(
     try:
         (cache_dir / FILES_DIR).mkdir(parents=True, exist_ok=True)
         meta.unlink(missing_ok=True)  # the set is valid only once the JSON names the new tensors
+        truncate_journal(cache_dir, 0)  # entries after the old base: nothing to apply them to now
         replace_with(cache_dir / STATE_FILE, lambda p: save_file(dict(state), str(p)))
         for name, data in files.items():
             write_file(cache_dir / FILES_DIR / _file_name(name), data)
@@ -96,7 +97,6 @@ def save(
         shas = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
         record = json.dumps({"step": step, "digest": digest.model_dump(mode="json"), "files": shas})
         write_file(meta, record.encode())
-        truncate_journal(cache_dir, 0)
     except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors as SafetensorError
         raise LocalWriteError(f"state cache {cache_dir}: cannot save step {step} ({e})") from None
 
@@ -120,10 +120,9 @@ def journal_entries(cache_dir: Path) -> list[JournalEntry]:
         return []
     entries = []
     for path in journal.iterdir():
-        if match := _ENTRY_RE.fullmatch(path.name):
-            patch = path.with_suffix(".patch")
-            if patch.is_file():
-                entries.append(JournalEntry(int(match.group(1)), path, patch))
+        match = _ENTRY_RE.fullmatch(path.name)
+        if match and match.group(2) == "json" and (patch := path.with_suffix(".patch")).is_file():
+            entries.append(JournalEntry(int(match.group(1)), path, patch))
     return sorted(entries, key=lambda e: e.step)
 
 
@@ -133,12 +132,12 @@ def journal_bytes(cache_dir: Path) -> int:
     return sum(p.stat().st_size for p in journal.iterdir()) if journal.is_dir() else 0
 
 
-def truncate_journal(cache_dir: Path, after_step: int) -> None:
-    """Remove the journal's entries from `after_step` on (0: all), manifests first."""
+def truncate_journal(cache_dir: Path, from_step: int) -> None:
+    """Remove the journal's entries from `from_step` on (0: all), manifests first."""
     journal = cache_dir / JOURNAL_DIR
     if not journal.is_dir():
         return
-    doomed = sorted(p for p in journal.iterdir() if p.name[:12].isdigit() and int(p.name[:12]) >= after_step)
+    doomed = [p for p in journal.iterdir() if (m := _ENTRY_RE.fullmatch(p.name)) and int(m.group(1)) >= from_step]
     for path in sorted(doomed, key=lambda p: p.suffix != ".json"):  # an entry without its manifest is no entry
         path.unlink(missing_ok=True)
 

@@ -38,6 +38,7 @@ from pulsesync.sinks import CommandSinkConfig
 from pulsesync.store import RetryPolicy, S3Store, Store
 from tests.support.fault_proxy import FaultProxy
 from tests.support.helpers import assert_states_equal, flip_byte, trainer_states
+from tests.support.recording_store import RecordingStore
 from tests.support.servers import BUCKET
 from tests.support.subscribing import STATES, assert_serving, publish, subscriber
 
@@ -189,6 +190,21 @@ async def test_a_corrupted_anchor_shard_is_never_served(
     await publish(publisher, range(9, 11))
     assert (await sub.sync()).step == 10
     assert_serving(sub, 10)
+
+
+async def test_a_fast_path_step_costs_one_list_and_two_gets(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    """The listing is not repeated and a verified manifest is not read twice (2 LISTs and 3 GETs before)."""
+    recording = RecordingStore(store)
+    sub = subscriber(recording, key)
+    await sub.sync()
+    await publish(publisher, range(9, 10))
+    recording.calls.clear()
+    result = await sub.sync()
+    assert (result.step, result.path) == (9, "fast")
+    assert recording.calls == {"LIST": 1, "GET": 2}  # the new markers, the manifest, the patch; no HEAD
+    assert_serving(sub, 9)
 
 
 async def test_restart_resumes_from_the_persisted_state_without_an_anchor(

@@ -29,7 +29,7 @@ from pulsesync.codec.format import (
 from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.params import CodecParams
 from pulsesync.digest import INCREMENTAL, ElementChange, StateDigest, state_digest, update_digest
-from pulsesync.dtypes import DTypeInfo, State, dtype_info, flat_bits
+from pulsesync.dtypes import DTypeInfo, State, dense_bytes, dtype_info, flat_bits
 from pulsesync.errors import ConfigError
 from pulsesync.threads import parallel_map
 
@@ -148,12 +148,11 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
     if count == 0:
         return None
     if count * (2 + info.width) >= length * info.width:
-        dense = _encode_dense(params, chunk, count)
-        return replace(dense, change=ElementChange(chunk.name, chunk.start, None, bits.host(old)))
+        return replace(_encode_dense(params, chunk, count), change=_change(params, chunk, None, old))
     fields = (chunk.name, info, chunk.shape)
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
-    change = ElementChange(chunk.name, chunk.start, positions, bits.host(old_values))
+    change = _change(params, chunk, positions, old_values)
     position = _position_coding(params, positions)
     if not params.adaptive:
         coding = params.coding
@@ -181,6 +180,15 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
         head = replace(head, **section.fields)
     record = _record(params, head, [part for section in sections for part in section.parts])
     return replace(record, history=history, change=change)
+
+
+def _change(
+    params: CodecParams, chunk: _Chunk, positions: np.ndarray | None, old: torch.Tensor
+) -> ElementChange | None:
+    """What a chunk record overwrites, where the digest is updated from it (an incremental algorithm)."""
+    if params.digest_algorithm not in INCREMENTAL:
+        return None
+    return ElementChange(chunk.name, chunk.start, positions, bits.host(old))
 
 
 def _planes(order: np.ndarray | None) -> dict[str, Any]:
@@ -296,29 +304,31 @@ def encode(
     params = params or CodecParams()
     reference = reference if params.adaptive else None  # history coding is part of adaptive coding
     base_digest = base_digest or state_digest(base, params.digest_algorithm, params.threads)
-    incremental = new_digest is None and params.digest_algorithm in INCREMENTAL
-    if new_digest is None and not incremental:
+    if new_digest is None and params.digest_algorithm not in INCREMENTAL:
         new_digest = state_digest(new, params.digest_algorithm, params.threads)
-    if {base_digest.algorithm, (new_digest or base_digest).algorithm} != {params.digest_algorithm}:
+    algorithms = {base_digest.algorithm} | ({new_digest.algorithm} if new_digest is not None else set())
+    if algorithms != {params.digest_algorithm}:
         raise ConfigError(
-            f"digest algorithms {base_digest.algorithm}/{(new_digest or base_digest).algorithm} differ from "
-            f"codec digest_algorithm {params.digest_algorithm}"
+            f"digest algorithms {'/'.join(sorted(algorithms))} differ from codec digest_algorithm "
+            f"{params.digest_algorithm}"
         )
 
     tasks: list[Callable[[], _Record | None]] = []
+    whole: list[str] = []  # tensors added or replaced: an incremental digest hashes them whole
     for name in sorted(set(base) | set(new)):
         if name not in new:
             tasks.append(partial(_removal, params, name))
         elif name not in base:
             tasks.append(partial(_encode_whole, params, RecordKind.ADD, name, new[name]))
+            whole.append(name)
         elif base[name].dtype != new[name].dtype or base[name].shape != new[name].shape:
             tasks.append(partial(_encode_whole, params, RecordKind.REPLACE, name, new[name]))
+            whole.append(name)
         else:
             tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference))
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
-    if new_digest is None:
-        whole = [n for n in new if n not in base or base[n].dtype != new[n].dtype or base[n].shape != new[n].shape]
+    if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
         new_digest = update_digest(base_digest, new, [r.change for r in records if r.change is not None], whole)
     version = params.format_version
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
@@ -333,7 +343,7 @@ def encode(
         records=len(records),
         decoded_bytes=sum(r.raw_len for r in records),
         changed_elements=sum(r.changed for r in records),
-        dense_bytes=sum(t.numel() * t.element_size() for t in new.values()),
+        dense_bytes=dense_bytes(new),
         reference_sha256=coded_against.sha256 if coded_against is not None else None,
     )
     end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)), version)

@@ -22,11 +22,19 @@ from safetensors import SafetensorError
 
 from pulsesync.codec import PatchHistory, UndoLog, apply_patch
 from pulsesync.digest import StateDigest, state_digest
+from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, ReplayError
 from pulsesync.metrics import MARKERS_REJECTED
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
 from pulsesync.protocol import layout
-from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, AnchorManifest, ObjectRef, PatchManifest, verify_manifest
+from pulsesync.protocol.manifest import (
+    MAX_MANIFEST_BYTES,
+    AnchorManifest,
+    ObjectRef,
+    PatchManifest,
+    check_newer,
+    verify_manifest,
+)
 from pulsesync.store import ObjectInfo, Store
 from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
@@ -159,10 +167,7 @@ class ChainClient:
         known = self._verified.get(step)
         if known is not None and known[1].kind == kind:  # markers never change (put-if-absent): no second GET
             data, manifest = known
-            if newer_than is not None and manifest.step <= newer_than:
-                raise ReplayError(
-                    f"{self.store.url}{key}: step {manifest.step} is not newer than the held step {newer_than} (replay)"
-                )
+            check_newer(manifest, newer_than, f"{self.store.url}{key}")
         else:
             data = await self.marker(step, kind)
             manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
@@ -268,7 +273,7 @@ class ChainClient:
             data = await self.fetch(manifest.objects[0])
         # A patch never decodes to much more than the state it changes: a signed zstd bomb (a small
         # frame declaring GiBs, sizes consistent) is refused before anything is allocated.
-        held_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        held_bytes = dense_bytes(state)
         limit = held_bytes + held_bytes // 2 + DECODE_MARGIN_BYTES
         # The thread writes into `state`: a cancelled caller must not roll back before it is done.
         if manifest.reference is not None and (reference is None or reference.sha256 != manifest.reference.sha256):

@@ -239,6 +239,11 @@ def verify_manifest(
         raise ManifestError(f"{name}: cannot be put in canonical form ({type(e).__name__})") from None
     signing.verify(public_key, payload, signature, name)
     manifest = _validate(raw, name)
+    check_newer(manifest, newer_than, name)
+    return manifest
+
+
+def check_newer(manifest: PatchManifest | AnchorManifest, newer_than: int | None, name: str) -> None:
+    """ReplayError unless the manifest's step is newer than `newer_than` (None: any step)."""
     if newer_than is not None and manifest.step <= newer_than:
         raise ReplayError(f"{name}: step {manifest.step} is not newer than the held step {newer_than} (replay)")
-    return manifest

@@ -88,8 +88,3 @@ class HostCopy:
     state: Buffers
     seconds: float  # the copy's duration: the step report's snapshot_s
     files: dict[str, bytes] = field(default_factory=dict)
-
-
-def dense_bytes(state: State) -> int:
-    """Bytes of a state's raw values."""
-    return sum(t.numel() * t.element_size() for t in state.values())

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulsesync import metrics, state_cache
 from pulsesync.codec import PatchHistory, encode, read_header
 from pulsesync.digest import INCREMENTAL, StateDigest, state_digest
-from pulsesync.dtypes import State
+from pulsesync.dtypes import State, dense_bytes
 from pulsesync.errors import (
     ConfigError,
     ConflictError,
@@ -45,7 +45,7 @@ from pulsesync.protocol.chain import ChainClient, Reconstruction
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
 from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.host_copy import HostCopy, HostCopyPool, dense_bytes
+from pulsesync.publisher.host_copy import HostCopy, HostCopyPool
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.resume import resume_baseline
 from pulsesync.publisher.schedule import AnchorSchedule
@@ -350,7 +350,7 @@ class AsyncPublisher:
             report.skipped_total = self.skipped
             self._report(report)
 
-    async def _scrubbed(self, step: int, state: State, kept: StateDigest) -> StateDigest:
+    async def _anchor_digest(self, step: int, state: State, kept: StateDigest) -> StateDigest:
         """The full digest of an anchor's state; one differing from the incrementally kept digest is reported.
 
         A mismatch means the baseline diverged from what was published (memory corruption, a bug):
@@ -387,7 +387,7 @@ class AsyncPublisher:
                 )
             except OSError as e:  # e.g. the spool disk is full: this anchor fails, the publisher goes on
                 raise PulseSyncError(f"anchor {step}: cannot write its shards to {spool} ({e})") from e
-            digest = await self._scrubbed(step, state, digest)
+            digest = await self._anchor_digest(step, state, digest)
             t1 = time.perf_counter()
             prefix = layout.anchor_dir(step, self.run_id)
             refs = []

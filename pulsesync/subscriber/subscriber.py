@@ -36,9 +36,10 @@ from tenacity import (
     wait_exponential,
 )
 
-from pulsesync import metrics, state_cache
+from pulsesync import metrics, mixsum, state_cache
 from pulsesync.codec import PatchHistory, UndoLog, fused
 from pulsesync.digest import StateDigest, TensorHasher
+from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import (
     ConfigError,
     DeadlineError,
@@ -70,6 +71,9 @@ _NOT_A_VERIFICATION_FAILURE = (
     DeadlineError,
     MissingReferenceError,  # a history-coded patch after a restart: the slow path rebuilds the history
 )
+
+
+_KERNEL_WARM_UPS = (fused.warm_up, mixsum.warm_up)  # the decode kernels and the digest's
 
 
 class _Changed(Exception):
@@ -153,13 +157,14 @@ class Subscriber:
         self.status = SubscriberStatus()
         self._undelivered: _Staged | None = None  # a slow-path state a sink refused: deliver again
         self._state_lock = threading.Lock()  # held while the held state is patched in place
-        self._warm_up: asyncio.Future[None] | None = None
+        self._warm_up: asyncio.Future[list[None]] | None = None
         self._sync_started: float | None = None  # monotonic time the running sync began
         self._unsaved = False  # the served state is not in cache_dir yet (the last save failed)
         self._version = 0  # bumped whenever the held state is about to change (a scrub then starts over)
         self._diverged: str | None = None  # a scrub found the held state differs from its digest: rebuild
         # Patches applied since the state in cache_dir, to journal; None: the whole state must be written.
         self._journal: list[tuple[PatchManifest, bytes]] | None = None
+        self._journal_bytes = 0  # what cache_dir's journal holds
         self._compacting: asyncio.Task[None] | None = None
         self.cache_bytes_written = 0
 
@@ -167,7 +172,7 @@ class Subscriber:
     async def start(self) -> None:
         """Resume from cache_dir when it holds an intact verified state; load the decode kernels meanwhile."""
         if self._warm_up is None:
-            self._warm_up = asyncio.ensure_future(asyncio.to_thread(fused.warm_up))
+            self._warm_up = asyncio.ensure_future(asyncio.gather(*map(asyncio.to_thread, _KERNEL_WARM_UPS)))
         if self.config.cache_dir is None or self.state is not None:
             return
         cached = await asyncio.to_thread(state_cache.load, self.config.cache_dir, self.config.codec.threads)
@@ -177,6 +182,7 @@ class Subscriber:
         if not await self._authentic(cached):
             return
         self._journal = []
+        self._journal_bytes = await asyncio.to_thread(state_cache.journal_bytes, self.config.cache_dir)
         log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
         staged = _Staged(cached.step, cached.state, cached.digest, cached.files, "cache", history=cached.history)
         await self._activate(staged, persist=False)
@@ -413,8 +419,8 @@ class Subscriber:
             self._learn_stream(found[1].stream_id)
         if persist and self.config.cache_dir is not None:
             self._unsaved = True
-            in_place = staged.undo and self._journal is not None
-            self._journal = [*self._journal, *staged.patches] if in_place and self._journal is not None else None
+            journal = self._journal if staged.undo else None  # a new state (slow path): a new base
+            self._journal = None if journal is None else [*journal, *staged.patches]
 
     async def _save(self) -> None:
         """Persist the served state to cache_dir: journal the patches since the cached state, or compact.
@@ -425,17 +431,17 @@ class Subscriber:
         cache_dir = self.config.cache_dir
         assert cache_dir is not None and self.state is not None and self.digest is not None
         journal = self._journal
+        held = dense_bytes(self.state)
         if journal:
-            held = sum(t.numel() * t.element_size() for t in self.state.values())
             added = sum(len(data) for _, data in journal)
-            budget = self.config.cache_journal_ratio * held
-            if await asyncio.to_thread(state_cache.journal_bytes, cache_dir) + added <= budget:
+            if self._journal_bytes + added <= self.config.cache_journal_ratio * held:
                 while journal:  # what was journaled before a failure is not written again
                     manifest, data = journal[0]
                     written = await asyncio.to_thread(
                         state_cache.append, cache_dir, manifest.step, manifest.to_bytes(), data
                     )
                     self._count_cache_bytes("journal", written)
+                    self._journal_bytes += written
                     journal.pop(0)
                 self._unsaved = False
                 return
@@ -447,8 +453,9 @@ class Subscriber:
 
         def write_base() -> None:
             try:
+                self._journal_bytes = 0  # save() clears the journal first
                 state_cache.save(cache_dir, served, marker, history)
-                self._count_cache_bytes("base", sum(t.numel() * t.element_size() for t in served.state.values()))
+                self._count_cache_bytes("base", held)
             except LocalWriteError:
                 self._unsaved, self._journal = True, None
                 raise

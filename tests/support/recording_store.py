@@ -1,13 +1,16 @@
-"""A Store wrapper that records the order of writes and injects failures or stalls into chosen ones.
+"""A Store wrapper that records writes in order, counts every request, and fails or stalls chosen writes.
 
 In-process fault injection: it wraps a real backend (filesystem or S3 over HTTP) and only decides,
 per write, to raise, to stall, or to pass the call through. A real server cannot fail exactly
-"the ready marker of step 5", which is what these tests need.
+"the ready marker of step 5", which is what these tests need. `calls` counts requests by kind
+(LIST, GET, HEAD, PUT, DELETE) and `bytes_read` the bytes read: what a sync costs the store
+(tests, bench/scale.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
@@ -26,28 +29,39 @@ class RecordingStore(Store):
         self.hook = hook
         self.writes: list[tuple[str, str]] = []
         self.reads: list[str] = []
+        self.calls: Counter[str] = Counter()
+        self.bytes_read = 0
 
     def _before(self, op: str, key: str) -> None:
+        self.calls["DELETE" if op == "delete" else "PUT"] += 1
         if self.hook is not None:
             self.hook(op, key)
+
+    def _read(self, data: bytes) -> bytes:
+        self.calls["GET"] += 1
+        self.bytes_read += len(data)
+        return data
 
     async def close(self) -> None:
         await self.inner.close()
 
     async def get(self, key: str, max_size: int | None = None) -> bytes:
         self.reads.append(key)
-        return await self.inner.get(key, max_size)
+        return self._read(await self.inner.get(key, max_size))
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
-        return await self.inner.get_range(key, start, end)
+        return self._read(await self.inner.get_range(key, start, end))
 
     def stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        self.calls["GET"] += 1
         return self.inner.stream(key, chunk_size)
 
     async def head(self, key: str) -> ObjectInfo:
+        self.calls["HEAD"] += 1
         return await self.inner.head(key)
 
     def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
+        self.calls["LIST"] += 1
         return self.inner.list(prefix, start_after)
 
     async def put(self, key: str, data: bytes) -> None:
@@ -81,7 +95,10 @@ class RecordingStore(Store):
         expected_sha256: str | None = None,
         expected_size: int | None = None,
     ) -> TransferResult:
-        return await self.inner.download_file(key, path, progress, expected_sha256, expected_size)
+        done = await self.inner.download_file(key, path, progress, expected_sha256, expected_size)
+        self.calls["GET"] += 1
+        self.bytes_read += done.size
+        return done
 
 
 def stall_forever(flag: Path) -> None:
