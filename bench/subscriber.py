@@ -40,6 +40,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pulsesync import mixsum
 from pulsesync.codec import fused
 from pulsesync.protocol import signing
 from pulsesync.protocol.manifest import AnchorManifest
@@ -133,6 +134,8 @@ def publish(root: Path, key: Ed25519PrivateKey, trainer: SyntheticTrainer, steps
 
 
 async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, torch.Tensor]], mbps: float) -> dict:
+    fused.warm_up()  # what Subscriber.start() loads in the background: compiled before anything is timed
+    mixsum.warm_up()
     bucket = TokenBucket(mbps * 1e6 / 8, burst=64 << 10)
     store = ThrottledStore(root, bucket)
     sub = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([key.public_key()]))
