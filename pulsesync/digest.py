@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -115,52 +114,35 @@ def tensor_digest(t: torch.Tensor, algorithm: DigestAlgorithm = DEFAULT_ALGORITH
     return hasher.digest()
 
 
-@dataclass(frozen=True)
-class ElementChange:
-    """Elements of one tensor a patch overwrote: flat positions (int64, from `start`) and their old raw bits."""
-
-    name: str
-    start: int
-    positions: np.ndarray | None  # chunk-relative; None: every element of the chunk from `start`
-    old: np.ndarray  # the old bits, integers of the dtype's width
+def lane_change(
+    old: torch.Tensor, new: torch.Tensor, start: int, positions: np.ndarray | None = None
+) -> tuple[int, int]:
+    """How a change of elements moves a tensor's mixsum-128 lanes: `old` and `new` are their bits
+    (integer views, any device), at flat index start + positions[k], or start + k for a range."""
+    return mixsum.change(mixsum.unsigned(old.cpu().numpy()), mixsum.unsigned(new.cpu().numpy()), start, positions)
 
 
 def update_digest(
-    base: StateDigest, state: Mapping[str, torch.Tensor], changes: Iterable[ElementChange], whole: Iterable[str]
+    base: StateDigest, state: Mapping[str, torch.Tensor], changes: Mapping[str, tuple[int, int]], whole: Iterable[str]
 ) -> StateDigest:
-    """The digest of `state` from the digest of the state before `changes` (an incremental algorithm only).
+    """The digest of `state` from the digest of the state before some changes (an incremental algorithm only).
 
-    Costs O(changed elements): each change subtracts its old elements' terms and adds the current
-    ones. Tensors named in `whole` (added, replaced) are hashed whole; tensors gone are dropped.
+    `changes` holds, per tensor changed in place, how its lane sums moved (`lane_change`, or the
+    apply kernels): O(changed elements) in all. Tensors named in `whole` (added, replaced) are
+    hashed whole; tensors gone are dropped.
     """
     if base.algorithm not in INCREMENTAL:
         raise ValueError(f"digest algorithm {base.algorithm} cannot be updated incrementally")
     rehash = set(whole) & state.keys()
     tensors = {n: d for n, d in base.tensors.items() if n in state}
-    lanes: dict[str, tuple[int, int]] = {}
-    for change in changes:
-        if change.name not in state:
+    for name, moved in changes.items():
+        if name not in state or name in rehash:
             continue
-        if change.name in rehash or change.name not in tensors:  # no digest to update: hash it whole
-            rehash.add(change.name)
+        if name not in tensors:  # no digest to update: hash it whole
+            rehash.add(name)
             continue
-        flat, old_bits = flat_bits(state[change.name]), mixsum.unsigned(change.old)
-        if change.positions is None:  # a dense chunk: every element
-            new_bits = mixsum.unsigned(flat[change.start : change.start + old_bits.size].cpu().numpy())
-            delta = mixsum.add(mixsum.sum_range(new_bits, change.start), mixsum.sum_range(old_bits, change.start), -1)
-        elif flat.device.type == "cpu":  # one pass: gather the new bits and sum both
-            delta = mixsum.delta_at(
-                mixsum.unsigned(flat.numpy()[change.start :]), change.positions, old_bits, change.start
-            )
-        else:
-            index = torch.from_numpy(change.positions).to(flat.device)
-            new_bits = mixsum.unsigned(flat[change.start :].index_select(0, index).cpu().numpy())
-            now = mixsum.sum_at(new_bits, change.positions, change.start)
-            delta = mixsum.add(now, mixsum.sum_at(old_bits, change.positions, change.start), -1)
-        held = lanes.get(change.name) or mixsum.from_hex(tensors[change.name].digest)
-        lanes[change.name] = mixsum.add(held, delta)
-    for name, sums in lanes.items():
-        tensors[name] = tensors[name].model_copy(update={"digest": mixsum.to_hex(sums)})
+        lanes = mixsum.add(mixsum.from_hex(tensors[name].digest), moved)
+        tensors[name] = tensors[name].model_copy(update={"digest": mixsum.to_hex(lanes)})
     for name in rehash:
         tensors[name] = tensor_digest(state[name], base.algorithm)
     tensors = {n: tensors[n] for n in sorted(tensors)}

@@ -76,25 +76,19 @@ def _sum_at(values: Any, positions: Any, first: int, out: Any) -> None:
     out[1] += s1
 
 
-def _delta_at(chunk: Any, positions: Any, old: Any, first: int, out: Any) -> None:
-    """out += the lane sums of chunk[positions[k]] minus those of old[k], both at index first + positions[k]."""
-    s0 = np.uint64(0)
-    s1 = np.uint64(0)
-    base = np.uint64(first)
-    for k in range(positions.size):
-        i = base + np.uint64(positions[k])
-        a0, a1 = (i + _SEED0) * _MUL0, (i + _SEED1) * _MUL1
-        new, was = np.uint64(chunk[positions[k]]), np.uint64(old[k])
-        s0 += _fmix(a0 ^ new) - _fmix(a0 ^ was)
-        s1 += _fmix(a1 ^ new) - _fmix(a1 ^ was)
-    out[0] += s0
-    out[1] += s1
+def _term_change(i: Any, new: Any, was: Any) -> tuple[Any, Any]:
+    """Both lanes' term of bits `new` minus that of bits `was` at flat index i (uint64 scalars)."""
+    a0, a1 = (i + _SEED0) * _MUL0, (i + _SEED1) * _MUL1
+    return _fmix(a0 ^ new) - _fmix(a0 ^ was), _fmix(a1 ^ new) - _fmix(a1 ^ was)
+
+
+# For the apply kernels (codec.fused), which update the digest as they write each element.
+term_change = numba.njit(inline="always")(_term_change) if numba is not None else _term_change
 
 
 _njit = numba.njit(cache=True, nogil=True, boundscheck=False) if numba is not None else None
 _sum_range_kernel: Callable[[Any, int, Any], None] | None = _njit(_sum_range) if _njit else None
 _sum_at_kernel: Callable[[Any, Any, int, Any], None] | None = _njit(_sum_at) if _njit else None
-_delta_at_kernel: Callable[[Any, Any, Any, int, Any], None] | None = _njit(_delta_at) if _njit else None
 enabled = numba is not None  # tests switch it off to compare with the numpy path
 
 
@@ -135,13 +129,11 @@ def sum_at(values: np.ndarray, positions: np.ndarray, first: int = 0) -> tuple[i
     return int(out[0]), int(out[1])
 
 
-def delta_at(chunk: np.ndarray, positions: np.ndarray, old: np.ndarray, first: int = 0) -> tuple[int, int]:
-    """Lane sums of chunk[positions] (the new bits) minus those of `old`, at flat index first + positions[k]."""
-    if enabled and _delta_at_kernel is not None:
-        out = np.zeros(LANES, np.uint64)
-        _delta_at_kernel(chunk, positions, old, first, out)
-        return int(out[0]), int(out[1])
-    return add(sum_at(chunk[positions], positions, first), sum_at(old, positions, first), -1)
+def change(old: np.ndarray, new: np.ndarray, first: int = 0, positions: np.ndarray | None = None) -> tuple[int, int]:
+    """Lane sums of `new` minus those of `old` (flat unsigned, equal sizes) at first + positions[k], or first + k."""
+    if positions is None:
+        return add(sum_range(new, first), sum_range(old, first), -1)
+    return add(sum_at(new, positions, first), sum_at(old, positions, first), -1)
 
 
 def add(a: tuple[int, int], b: tuple[int, int], sign: int = 1) -> tuple[int, int]:
@@ -163,11 +155,10 @@ def from_hex(digest: str) -> tuple[int, int]:
 
 def warm_up() -> None:
     """Load (or compile) the kernels for every unsigned width now, not inside a sync."""
-    if not enabled or _sum_range_kernel is None or _sum_at_kernel is None or _delta_at_kernel is None:
+    if not enabled or _sum_range_kernel is None or _sum_at_kernel is None:
         return
     out, positions = np.zeros(LANES, np.uint64), np.zeros(1, np.int64)
     for width in (1, 2, 4, 8):
         values = np.zeros(1, np.dtype(f"u{width}"))
         _sum_range_kernel(values, 0, out)
         _sum_at_kernel(values, positions, 0, out)
-        _delta_at_kernel(values, positions, values, 0, out)

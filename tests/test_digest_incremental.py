@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pulsesync import mixsum
-from pulsesync.codec import CodecParams, UndoLog, apply_patch, encode
-from pulsesync.digest import ElementChange, StateDigest, state_digest, tensor_digest, update_digest
+from pulsesync.codec import CodecParams, PatchHistory, UndoLog, apply_patch, encode, fused
+from pulsesync.digest import StateDigest, lane_change, state_digest, tensor_digest, update_digest
 from tests.support.helpers import assert_states_equal, clone_state, state_pairs
 
 M64 = (1 << 64) - 1
@@ -52,9 +52,12 @@ def test_kernels_and_numpy_give_identical_sums(width: int, seed: int, first: int
     for enabled in [True, False] if mixsum._sum_range_kernel is not None else [False]:
         mixsum.enabled = enabled
         try:
-            old = values[::-1][positions].copy()
-            delta = mixsum.delta_at(values, positions, old, first)
-            results.add((mixsum.sum_range(values, first), mixsum.sum_at(values[positions], positions, first), delta))
+            old = values[::-1].copy()
+            moved = (
+                mixsum.change(old, values, first),
+                mixsum.change(old[positions], values[positions], first, positions),
+            )
+            results.add((mixsum.sum_range(values, first), mixsum.sum_at(values[positions], positions, first), *moved))
         finally:
             mixsum.enabled = mixsum._sum_range_kernel is not None
     assert len(results) == 1
@@ -72,39 +75,53 @@ def test_any_single_element_change_changes_both_lanes() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(pair=state_pairs(), history=st.booleans())
-def test_incremental_update_equals_the_full_digest(pair: tuple[dict, dict], history: bool) -> None:
-    """Publisher (the encoder's update) and subscriber (the apply's update) both equal the full computation."""
+@given(
+    pair=state_pairs(),
+    undo=st.booleans(),
+    history=st.booleans(),
+    format_version=st.sampled_from([1, 2]),
+    apply_kernels=st.booleans(),
+)
+def test_incremental_update_equals_the_full_digest(
+    pair: tuple[dict, dict], undo: bool, history: bool, format_version: int, apply_kernels: bool
+) -> None:
+    """Publisher (the encoder's update) and subscriber (each apply path's update) all equal the full computation."""
     base, new = pair
-    params = CodecParams(chunk_elements=1024, digest_algorithm="mixsum-128")
+    params = CodecParams(chunk_elements=1024, digest_algorithm="mixsum-128", format_version=format_version)
     base_digest = state_digest(base, "mixsum-128")
     full = state_digest(new, "mixsum-128")
     encoded = encode(base, new, params, base_digest=base_digest)
     assert encoded.digest == full  # every per-tensor entry and the root, bit for bit
     work = clone_state(base)
-    applied = apply_patch(work, encoded.data, base_digest=base_digest, undo=UndoLog() if history else None)
+    log, collected = UndoLog() if undo else None, PatchHistory(encoded.history.sha256) if history else None
+    enabled = fused.enabled
+    fused.enabled = enabled and apply_kernels  # off: the numpy paths update the digest from the undo values
+    try:
+        applied = apply_patch(work, encoded.data, base_digest=base_digest, undo=log, history=collected)
+    finally:
+        fused.enabled = enabled
     assert_states_equal(work, new)
     assert applied == full
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), changes=st.integers(0, 300))
-def test_update_digest_from_element_changes(seed: int, changes: int) -> None:
+@given(seed=st.integers(0, 2**32 - 1), changes=st.integers(0, 300), start=st.integers(0, 1000))
+def test_update_digest_from_lane_changes(seed: int, changes: int, start: int) -> None:
     rng = np.random.default_rng(seed)
     state = {"w": torch.from_numpy(rng.integers(-(2**15), 2**15, 5000, dtype=np.int16)).view(torch.bfloat16)}
     base = state_digest(state, "mixsum-128")
-    positions = np.sort(rng.choice(5000, changes, replace=False)).astype(np.int64)
-    flat = state["w"].view(torch.int16)
-    old = flat[torch.from_numpy(positions)].numpy().copy()
-    flat[torch.from_numpy(positions)] = torch.from_numpy(rng.integers(-(2**15), 2**15, changes, dtype=np.int16))
-    updated = update_digest(base, state, [ElementChange("w", 0, positions, old)], whole=[])
+    positions = np.sort(rng.choice(5000 - start, changes, replace=False)).astype(np.int64)
+    chunk, index = state["w"].view(torch.int16)[start:], torch.from_numpy(positions)
+    old = chunk[index].clone()
+    chunk[index] = torch.from_numpy(rng.integers(-(2**15), 2**15, changes, dtype=np.int16))
+    updated = update_digest(base, state, {"w": lane_change(old, chunk[index], start, positions)}, whole=[])
     assert updated == state_digest(state, "mixsum-128")
 
 
 def test_non_incremental_algorithms_refuse_an_update() -> None:
     state = {"w": torch.zeros(4)}
     with pytest.raises(ValueError, match="incrementally"):
-        update_digest(state_digest(state, "xxh3-128"), state, [], whole=[])
+        update_digest(state_digest(state, "xxh3-128"), state, {}, whole=[])
 
 
 def test_format_1_defaults_to_the_digest_old_subscribers_read() -> None:

@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pulsesync import mixsum
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import V2_CODINGS, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_planes, decode_record
 from pulsesync.digest import (
     INCREMENTAL,
-    ElementChange,
     StateDigest,
     TensorDigest,
+    lane_change,
     root_digest,
     state_digest,
     tensor_digest,
@@ -60,13 +61,6 @@ class UndoLog:
             else:
                 state[name] = tensor
 
-    def element_changes(self, since: int = 0) -> list[ElementChange]:
-        """The chunk entries from `since` on as digest updates (old bits on the host)."""
-        return [
-            ElementChange(name, start, None if index is None else bits.host(index), bits.host(old))
-            for name, start, _, index, old in self.chunks[since:]
-        ]
-
     def changed(self) -> dict[str, torch.Tensor | None]:
         """Flat positions each changed tensor changed at (sorted), or None where the whole tensor changed."""
         out: dict[str, torch.Tensor | None] = {name: None for name, _ in self.tensors}
@@ -88,10 +82,12 @@ def apply_record(
     device: torch.device | None = None,
     undo: UndoLog | None = None,
     history: PatchHistory | None = None,
+    lanes: np.ndarray | None = None,
 ) -> None:
     """Apply one decoded record to `state` in place (a non-contiguous target is first replaced by a contiguous copy).
 
-    With `history`, a SPARSE or HISTORY record adds its chunk's positions and deltas to it.
+    With `history`, a SPARSE or HISTORY record adds its chunk's positions and deltas to it. With
+    `lanes` (uint64[2]), a chunk record adds there how it moved its tensor's mixsum-128 lane sums.
     """
     h = record.header
     check_target(h, state)
@@ -99,7 +95,8 @@ def apply_record(
         undo.tensors.append((h.name, state.get(h.name)))
     if h.kind == RecordKind.REMOVE:
         del state[h.name]
-    elif h.kind in (RecordKind.ADD, RecordKind.REPLACE):
+        return
+    if h.kind in (RecordKind.ADD, RecordKind.REPLACE):
         assert record.values is not None
         target = device or _state_device(state)
         if record.values.size == 0:  # views of empty buffers carry strides nothing can reinterpret
@@ -107,58 +104,96 @@ def apply_record(
         else:
             tensor = torch.from_numpy(record.values).view(h.info.torch_dtype).reshape(h.shape)
             state[h.name] = tensor.to(target)
+        return
+    tensor = state[h.name]
+    if not tensor.is_contiguous():
+        if undo is not None:
+            undo.tensors.append((h.name, tensor))
+        state[h.name] = tensor = tensor.contiguous()
+    chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
+    if h.coding in V2_CODINGS:
+        _apply_deltas(record, chunk, undo, history, lanes)
+    elif record.packed is not None and chunk.device.type == "cpu" and fused.apply_delta_2byte is not None:
+        _apply_packed(record, chunk, undo, history, lanes)
     else:
-        tensor = state[h.name]
-        if not tensor.is_contiguous():
-            if undo is not None:
-                undo.tensors.append((h.name, tensor))
-            state[h.name] = tensor = tensor.contiguous()
-        chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
-        key = (h.name, h.start, h.length)
-        if h.coding in V2_CODINGS:
-            _apply_deltas(record, chunk, undo, history)
-            return
-        coded_values = record.values
-        if record.packed is not None:
-            assert record.positions is not None
-            packed, escapes = record.packed
-            kernel = chunk.device.type == "cpu" and fused.apply_delta_2byte is not None
-            if history is not None or not kernel:
-                coded_values = deltas = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
-                if history is not None:
-                    history.chunks[key] = ChunkHistory(record.positions, deltas)
-            if kernel:
-                assert fused.apply_delta_2byte is not None
-                old = np.empty(record.positions.size, np.int16)
-                fused.apply_delta_2byte(chunk.detach().numpy(), record.positions, packed, escapes, old)
-                if undo is not None:
-                    index = torch.from_numpy(record.positions)
-                    undo.chunks.append((h.name, h.start, h.length, index, torch.from_numpy(old)))
-                return
-        assert coded_values is not None
-        coded = torch.from_numpy(coded_values).to(chunk.device)
-        if h.kind == RecordKind.DENSE:
-            if undo is not None:
-                undo.chunks.append((h.name, h.start, h.length, None, chunk.clone()))
-            bits.decode_values_(chunk, coded, h.info, h.coding)
-        else:
-            assert record.positions is not None
-            index = torch.from_numpy(record.positions).to(chunk.device)
-            values = chunk.index_select(0, index)
-            # Packed records have put their (decoded) deltas into the history above.
-            derive_history = history is not None and record.packed is None
-            old_values = values.clone() if undo is not None or derive_history else values
-            if undo is not None:
-                undo.chunks.append((h.name, h.start, h.length, index, old_values))
-            new_values = bits.decode_values_(values, coded, h.info, h.coding)
-            chunk.index_copy_(0, index, new_values)
-            if derive_history:
-                assert history is not None
-                ordered_deltas = bits.encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
-                history.chunks[key] = ChunkHistory(record.positions, bits.host(ordered_deltas))
+        _apply_coded(record, chunk, undo, history, lanes)
 
 
-def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None, history: PatchHistory | None) -> None:
+def _apply_packed(
+    record: PatchRecord,
+    chunk: torch.Tensor,
+    undo: UndoLog | None,
+    history: PatchHistory | None,
+    lanes: np.ndarray | None,
+) -> None:
+    """A SPARSE record of packed small deltas on a CPU chunk: the fused kernel, in one pass."""
+    h, positions = record.header, record.positions
+    assert record.packed is not None and positions is not None and fused.apply_delta_2byte is not None
+    packed, escapes = record.packed
+    old = np.empty(positions.size, np.int16)
+    deltas = np.empty(positions.size if history is not None else 0, np.int16)
+    target = chunk.detach().numpy()
+    fused.apply_delta_2byte(
+        target, positions, packed, escapes, old, deltas, h.start, _NO_LANES if lanes is None else lanes
+    )
+    if undo is not None:
+        undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old)))
+    if history is not None:
+        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas)
+
+
+def _apply_coded(
+    record: PatchRecord,
+    chunk: torch.Tensor,
+    undo: UndoLog | None,
+    history: PatchHistory | None,
+    lanes: np.ndarray | None,
+) -> None:
+    """A format-1 SPARSE or DENSE record, or packed deltas off the CPU: decode the values, then write them."""
+    h = record.header
+    key = (h.name, h.start, h.length)
+    coded_values = record.values
+    if record.packed is not None:
+        assert record.positions is not None
+        packed, escapes = record.packed
+        coded_values = deltas = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
+        if history is not None:
+            history.chunks[key] = ChunkHistory(record.positions, deltas)
+    assert coded_values is not None
+    coded = torch.from_numpy(coded_values).to(chunk.device)
+    if h.kind == RecordKind.DENSE:
+        old = chunk.clone() if undo is not None or lanes is not None else None
+        if undo is not None and old is not None:
+            undo.chunks.append((h.name, h.start, h.length, None, old))
+        bits.decode_values_(chunk, coded, h.info, h.coding)
+        if lanes is not None and old is not None:
+            _add_lanes(lanes, lane_change(old, chunk, h.start))
+        return
+    assert record.positions is not None
+    index = torch.from_numpy(record.positions).to(chunk.device)
+    values = chunk.index_select(0, index)
+    # Packed records have put their (decoded) deltas into the history above.
+    derive_history = history is not None and record.packed is None
+    old_values = values.clone() if undo is not None or derive_history or lanes is not None else values
+    if undo is not None:
+        undo.chunks.append((h.name, h.start, h.length, index, old_values))
+    new_values = bits.decode_values_(values, coded, h.info, h.coding)
+    chunk.index_copy_(0, index, new_values)
+    if lanes is not None:
+        _add_lanes(lanes, lane_change(old_values, new_values, h.start, record.positions))
+    if derive_history:
+        assert history is not None
+        ordered_deltas = bits.encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
+        history.chunks[key] = ChunkHistory(record.positions, bits.host(ordered_deltas))
+
+
+def _apply_deltas(
+    record: PatchRecord,
+    chunk: torch.Tensor,
+    undo: UndoLog | None,
+    history: PatchHistory | None,
+    lanes: np.ndarray | None,
+) -> None:
     """Apply a format-2 SPARSE or HISTORY record: signed ordered deltas at positions."""
     h = record.header
     assert record.positions is not None
@@ -168,8 +203,10 @@ def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None
         old_values, applied = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
         ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
         by_class = h.coding == ValueCoding.EXP_PLANES
-        target = chunk.detach().numpy()
-        fused.apply_planes_2byte(target, positions, record.planes, by_class, ref_deltas, old_values, applied)
+        target, out = chunk.detach().numpy(), _NO_LANES if lanes is None else lanes
+        fused.apply_planes_2byte(
+            target, positions, record.planes, by_class, ref_deltas, old_values, applied, h.start, out
+        )
         if undo is not None:
             undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old_values)))
         if history is not None:
@@ -185,12 +222,23 @@ def _apply_deltas(record: PatchRecord, chunk: torch.Tensor, undo: UndoLog | None
         deltas = in_order
     if record.ref_deltas is not None:
         deltas = bits.wrapping_add(deltas, record.ref_deltas)
+    before = old.clone() if undo is not None or lanes is not None else old
     if undo is not None:
-        undo.chunks.append((h.name, h.start, h.length, index, old.clone()))
+        undo.chunks.append((h.name, h.start, h.length, index, before))
     coded = torch.from_numpy(deltas).to(chunk.device)
-    chunk.index_copy_(0, index, bits.decode_values_(old, coded, h.info, ValueCoding.DELTA))
+    new = bits.decode_values_(old, coded, h.info, ValueCoding.DELTA)
+    chunk.index_copy_(0, index, new)
+    if lanes is not None:
+        _add_lanes(lanes, lane_change(before, new, h.start, record.positions))
     if history is not None:
         history.chunks[key] = ChunkHistory(record.positions, deltas)
+
+
+_NO_LANES = np.zeros(0, np.uint64)  # the kernels' "no digest to update"
+
+
+def _add_lanes(lanes: np.ndarray, moved: tuple[int, int]) -> None:
+    lanes += np.array(moved, np.uint64)  # modulo 2**64, as mixsum.add
 
 
 def _kept(base: StateDigest, state: MutableMapping[str, torch.Tensor], name: str) -> TensorDigest:
@@ -273,19 +321,18 @@ def apply_patch(
             state[h.name] = tensor.contiguous()
 
     references = reference.chunks if reference is not None else {}
-    # An incremental digest is updated from what the patch overwrote: keep a log even if the caller does not.
+    # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
     incremental = verify and algorithm in INCREMENTAL
-    if incremental and undo is None:
-        undo = UndoLog()
-    logged = (len(undo.chunks), len(undo.tensors)) if undo is not None else (0, 0)
+    moved: dict[str, tuple[int, int]] = {}
 
-    def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> PatchRecord | None:
+    def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:
         h = item[0]
         record = decode_record(*item, parser.version, references.get((h.name, h.start, h.length)))
-        if h.kind in chunk_kinds:
-            apply_record(record, state, undo=undo, history=history)  # disjoint chunks: safe to write concurrently
-            return None
-        return record
+        if h.kind not in chunk_kinds:
+            return record, None
+        lanes = np.zeros(2, np.uint64) if incremental else None
+        apply_record(record, state, undo=undo, history=history, lanes=lanes)  # disjoint chunks: safe concurrently
+        return None, lanes
 
     rehashed: dict[str, Future[TensorDigest]] = {}
 
@@ -298,12 +345,14 @@ def apply_patch(
     previous: str | None = None
     # In order: once a record of the next tensor has been applied, the previous tensor is final.
     with contextlib.closing(parallel_map(decode_and_apply, raw_records, threads)) as applied:
-        for (h, _), record in zip(raw_records, applied, strict=True):
+        for (h, _), (record, lanes) in zip(raw_records, applied, strict=True):
             if previous is not None and h.name != previous:
                 rehash(previous)
             previous = None if record is not None else h.name
             if record is not None:
                 whole_records.append(record)
+            if lanes is not None:
+                moved[h.name] = mixsum.add(moved.get(h.name, (0, 0)), (int(lanes[0]), int(lanes[1])))
     if previous is not None:
         rehash(previous)
     for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part
@@ -312,9 +361,7 @@ def apply_patch(
     if not verify:
         return None
     if incremental:
-        assert undo is not None
-        whole = [name for name, _ in undo.tensors[logged[1] :]] + [r.name for r in whole_records]
-        result = update_digest(current, state, undo.element_changes(logged[0]), whole)
+        result = update_digest(current, state, moved, [r.name for r in whole_records])
     else:
         tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
         result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import zstandard
 
+from pulsesync import mixsum
 from pulsesync.codec import bits
 from pulsesync.codec.format import (
     PatchHeader,
@@ -28,7 +29,7 @@ from pulsesync.codec.format import (
 )
 from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.params import CodecParams
-from pulsesync.digest import INCREMENTAL, ElementChange, StateDigest, state_digest, update_digest
+from pulsesync.digest import INCREMENTAL, StateDigest, lane_change, state_digest, update_digest
 from pulsesync.dtypes import DTypeInfo, State, dense_bytes, dtype_info, flat_bits
 from pulsesync.errors import ConfigError
 from pulsesync.threads import parallel_map
@@ -52,7 +53,7 @@ class _Record:
     raw_len: int
     history: tuple[ChunkKey, ChunkHistory] | None = None
     coding: str = ""  # "KIND/CODING", for the manifest's summary
-    change: ElementChange | None = None  # what a chunk record overwrote, for an incremental digest
+    digest_change: tuple[str, tuple[int, int]] | None = None  # (tensor, how its mixsum lanes moved)
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,11 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
     if count == 0:
         return None
     if count * (2 + info.width) >= length * info.width:
-        return replace(_encode_dense(params, chunk, count), change=_change(params, chunk, None, old))
+        return replace(_encode_dense(params, chunk, count), digest_change=_digest_change(params, chunk, None, old, new))
     fields = (chunk.name, info, chunk.shape)
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
-    change = _change(params, chunk, positions, old_values)
+    change = _digest_change(params, chunk, positions, old_values, new_values)
     position = _position_coding(params, positions)
     if not params.adaptive:
         coding = params.coding
@@ -160,7 +161,7 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
         value = _value_section(params, coded, coding, offset=1)
         head = RecordHeader(RecordKind.SPARSE, *fields, coding, chunk.start, length, count)
         record = _record(params, replace(head, **position.fields, **value.fields), position.parts + value.parts)
-        return replace(record, change=change)
+        return replace(record, digest_change=change)
     deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
     history = (chunk.key, ChunkHistory(positions, deltas))
     zigzags = bits.zigzag(deltas)
@@ -179,16 +180,16 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
     for section in sections:
         head = replace(head, **section.fields)
     record = _record(params, head, [part for section in sections for part in section.parts])
-    return replace(record, history=history, change=change)
+    return replace(record, history=history, digest_change=change)
 
 
-def _change(
-    params: CodecParams, chunk: _Chunk, positions: np.ndarray | None, old: torch.Tensor
-) -> ElementChange | None:
-    """What a chunk record overwrites, where the digest is updated from it (an incremental algorithm)."""
+def _digest_change(
+    params: CodecParams, chunk: _Chunk, positions: np.ndarray | None, old: torch.Tensor, new: torch.Tensor
+) -> tuple[str, tuple[int, int]] | None:
+    """How a chunk record moves its tensor's digest, where that is updated from it (an incremental algorithm)."""
     if params.digest_algorithm not in INCREMENTAL:
         return None
-    return ElementChange(chunk.name, chunk.start, positions, bits.host(old))
+    return chunk.name, lane_change(old, new, chunk.start, positions)
 
 
 def _planes(order: np.ndarray | None) -> dict[str, Any]:
@@ -329,7 +330,10 @@ def encode(
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
-        new_digest = update_digest(base_digest, new, [r.change for r in records if r.change is not None], whole)
+        moved: dict[str, tuple[int, int]] = {}
+        for name, lanes in (r.digest_change for r in records if r.digest_change is not None):
+            moved[name] = mixsum.add(moved.get(name, (0, 0)), lanes)
+        new_digest = update_digest(base_digest, new, moved, whole)
     version = params.format_version
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
     coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None

@@ -264,7 +264,7 @@ def parse_record_header(
     if len(buf) < body_end + RECORD_CHECKSUM.size:
         return None
     (checksum,) = RECORD_CHECKSUM.unpack_from(buf, body_end)
-    if xxhash.xxh32_intdigest(bytes(buf[offset:body_end])) != checksum:
+    if xxhash.xxh32_intdigest(memoryview(buf)[offset:body_end]) != checksum:
         raise CorruptPatchError(f"{where}: record header checksum mismatch (corrupted record)")
     # From here on the fields are what the encoder wrote; checks below catch lying encoders.
     name_start = offset + fixed_struct.size

@@ -7,7 +7,8 @@ into the tensor (gather, then scatter: a cache and TLB miss each). Here:
   checking every position lies inside the chunk;
 - `count_escape_codes` counts the value codes that say "escaped" (checked against the record);
 - `apply_delta_2byte` gathers a block of old values (independent loads the CPU overlaps), then
-  applies the order-preserving deltas from cache, and returns the old values for the undo log.
+  applies the order-preserving deltas from cache, returns the old values for the undo log, and
+  updates the mixsum-128 state digest from the old and new bits it holds anyway.
 bits.decode_positions and bits.check_escape_count run the first two and check their results
 before the apply kernel runs, so it only ever indexes inside the chunk. Without numba the numpy
 path runs: the results (errors included) are bit-identical, which the tests check by running
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from pulsesync.codec.format import ESCAPE, GAP_DIRECT, MAX_GAP_CODE, SMALL_ESCAPE
+from pulsesync.mixsum import term_change
 
 try:
     import numba
@@ -138,15 +140,22 @@ def _count_escape_codes(packed: Any, count: int) -> int:
 _BLOCK = 256  # elements gathered ahead of their update: their cache lines fit in L1
 
 
-def _apply_delta_2byte(chunk: Any, positions: Any, packed: Any, escapes: Any, old_out: Any) -> None:
+def _apply_delta_2byte(
+    chunk: Any, positions: Any, packed: Any, escapes: Any, old_out: Any, deltas_out: Any, first: int, lanes: Any
+) -> None:
     """chunk[p_i] = from_ordered(to_ordered(chunk[p_i]) + delta_i); old values into old_out.
 
-    delta_i = unzigzag(code_i + 1), or unzigzag(escape + 1) for code 3, as bits.unpack_small_deltas.
+    delta_i = unzigzag(code_i + 1), or unzigzag(escape + 1) for code 3, as bits.unpack_small_deltas;
+    into deltas_out unless it is empty (the subscriber's history). Unless `lanes` is empty, adds
+    the change of the mixsum-128 lane sums there (the chunk's first element at flat index
+    `first`): the old and new bits are in registers, so the digest update costs no second pass.
     Each block's old values are gathered first, in a loop of independent loads the CPU overlaps
     (the miss per element is the cost), then updated from cache.
     """
     k = 0
     n = positions.size
+    history, digest = deltas_out.size > 0, lanes.size > 0
+    s0, s1, base = np.uint64(0), np.uint64(0), np.uint64(first)
     for start in range(0, n, _BLOCK):
         end = min(n, start + _BLOCK)
         for i in range(start, end):
@@ -162,18 +171,39 @@ def _apply_delta_2byte(chunk: Any, positions: Any, packed: Any, escapes: Any, ol
             old = np.int32(old_out[i])
             ordered = old ^ ((old >> 15) & 0x7FFF)  # sign-magnitude -> value order (its own inverse)
             s = ((ordered + delta + 32768) & 0xFFFF) - 32768  # int16 addition, wrapping
-            chunk[positions[i]] = np.int16(s ^ ((s >> 15) & 0x7FFF))
+            new = np.int16(s ^ ((s >> 15) & 0x7FFF))
+            chunk[positions[i]] = new
+            if history:
+                deltas_out[i] = delta
+            if digest:
+                d0, d1 = term_change(
+                    base + np.uint64(positions[i]), np.uint64(np.uint16(new)), np.uint64(np.uint16(old))
+                )
+                s0 += d0
+                s1 += d1
+    if digest:
+        lanes[0] += s0
+        lanes[1] += s1
 
 
 def _apply_planes_2byte(
-    chunk: Any, positions: Any, planes: Any, by_class: bool, ref_deltas: Any, old_out: Any, deltas_out: Any
+    chunk: Any,
+    positions: Any,
+    planes: Any,
+    by_class: bool,
+    ref_deltas: Any,
+    old_out: Any,
+    deltas_out: Any,
+    first: int,
+    lanes: Any,
 ) -> None:
     """Format 2's PLANES/EXP_PLANES values of a 2-byte float chunk: chunk[p_i] += delta_i in value order.
 
     delta_i = unzigzag of the two byte planes, taken in magnitude-class order of the old values
     where `by_class` (EXP_PLANES: a counting sort, stable, as bits.magnitude_order), plus
     ref_deltas[i] when given (HISTORY records; empty otherwise). Old values go to old_out (undo
-    log), deltas in position order to deltas_out (the subscriber's history).
+    log), deltas in position order to deltas_out (the subscriber's history); the digest's lane
+    sums change as in apply_delta_2byte.
     """
     n = positions.size
     for start in range(0, n, _BLOCK):  # gather ahead: independent loads the CPU overlaps
@@ -185,6 +215,8 @@ def _apply_planes_2byte(
             next_in_class[((np.int32(old_out[i]) >> 7) & 0xFF) + 1] += 1
         for c in range(256):
             next_in_class[c + 1] += next_in_class[c]
+    digest = lanes.size > 0
+    s0, s1, base = np.uint64(0), np.uint64(0), np.uint64(first)
     for i in range(n):
         j = i
         if by_class:
@@ -200,7 +232,16 @@ def _apply_planes_2byte(
         old = np.int32(old_out[i])
         ordered = old ^ ((old >> 15) & 0x7FFF)
         s = ((ordered + delta + 32768) & 0xFFFF) - 32768
-        chunk[positions[i]] = np.int16(s ^ ((s >> 15) & 0x7FFF))
+        new = np.int16(s ^ ((s >> 15) & 0x7FFF))
+        chunk[positions[i]] = new
+        if digest:
+            i64 = base + np.uint64(positions[i])
+            d0, d1 = term_change(i64, np.uint64(np.uint16(new)), np.uint64(np.uint16(old)))
+            s0 += d0
+            s1 += d1
+    if digest:
+        lanes[0] += s0
+        lanes[1] += s1
 
 
 def _merge_history(
@@ -227,7 +268,7 @@ def _merge_history(
 
 
 _njit = numba.njit(cache=True, nogil=True, boundscheck=False) if numba is not None else None
-apply_delta_2byte: Callable[[Any, Any, Any, Any, Any], None] | None = _njit(_apply_delta_2byte) if _njit else None
+apply_delta_2byte: Callable[..., None] | None = _njit(_apply_delta_2byte) if _njit else None
 decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decode_positions) if _njit else None
 count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes) if _njit else None
 decode_gap_codes: Callable[[Any, Any, int, Any], int] | None = _njit(_decode_gap_codes) if _njit else None
@@ -250,6 +291,7 @@ def warm_up() -> None:
     encode_gap_codes(positions, np.empty(1, np.uint8), np.empty(5, np.uint8))
     count_escape_codes(planes, 1)
     chunk, old, deltas = np.zeros(1, np.int16), np.empty(1, np.int16), np.empty(1, np.int16)
-    apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old)
-    apply_planes_2byte(chunk, positions, planes, True, np.empty(0, np.int16), old, deltas)
+    for lanes in (np.zeros(2, np.uint64), np.zeros(0, np.uint64)):
+        apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
+        apply_planes_2byte(chunk, positions, planes, True, np.empty(0, np.int16), old, deltas, 0, lanes)
     merge_history(positions, deltas, np.ones(1, bool), positions[:0], positions.copy(), deltas.copy())

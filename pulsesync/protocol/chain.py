@@ -41,6 +41,7 @@ from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.chain")
 _VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
+FULL_LISTING_EVERY = 100  # ready listings between two of every key (the others list after the newest seen)
 DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
 
 
@@ -67,18 +68,24 @@ class ChainClient:
     threads: int = 1
     bytes_downloaded: int = 0
     manifests_verified: int = 0
-    published_at: dict[int, dt.datetime] = field(default_factory=dict)  # creation time of each manifest read
+    published_at: dict[int, dt.datetime] = field(default_factory=dict)  # creation times of the recent manifests read
     stream_id: str | None = None  # when set, manifests of any other stream are refused (ForeignStreamError)
     rejected: dict[str, str] = field(default_factory=dict)  # ready key -> why its marker did not verify
     last_rejection: IntegrityError | None = None
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
+    _refreshes: int = 0
     _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest]] = field(default_factory=dict)
 
     # --- the ready listing ---------------------------------------------------------------------
     async def refresh(self, *, from_start: bool = False) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:
-        """List the ready markers after the last key seen (every one with from_start); returns those found."""
-        if from_start:
+        """List the ready markers after the last key seen (every one with from_start); returns those found.
+
+        Every FULL_LISTING_EVERY-th refresh lists from the start too: markers retention removed are
+        forgotten, so a client following a months-long run holds what the store holds, not its history.
+        """
+        self._refreshes += 1
+        if from_start or self._refreshes % FULL_LISTING_EVERY == 0:
             self._ready, self._last_key = {}, None
         found = []
         async for info in self.store.list(layout.READY_PREFIX, start_after=self._last_key):
@@ -115,7 +122,7 @@ class ChainClient:
         key = layout.ready_key(step, kind)
         self.rejected[key] = f"{type(error).__name__}: {error}"
         self.last_rejection = error
-        self._forget(step, kind)
+        self.forget(step, kind)
         # Markers published after a forged far-future one sort before it: list again from the newest kept.
         kept = [layout.ready_key(s, k) for s, kinds in self._ready.items() for k in kinds]
         self._last_key = max(kept, default=None)
@@ -141,7 +148,13 @@ class ChainClient:
         """Ready steps and their kinds as of the last listing (no store request)."""
         return self._ready
 
-    def _forget(self, step: int, kind: layout.Kind) -> None:
+    @property
+    def ready_keys(self) -> set[str]:
+        """The ready keys of the last listing (no store request)."""
+        return {layout.ready_key(step, kind) for step, kinds in self._ready.items() for kind in kinds}
+
+    def forget(self, step: int, kind: layout.Kind) -> None:
+        """Drop a marker from the listing (retention removed it)."""
         kinds = self._ready.get(step, set())
         kinds.discard(kind)
         if not kinds:
@@ -154,7 +167,7 @@ class ChainClient:
         try:
             data = await self.store.get(key, max_size=MAX_MANIFEST_BYTES)
         except NotFoundError:  # removed by retention since it was listed
-            self._forget(step, kind)
+            self.forget(step, kind)
             raise
         self.bytes_downloaded += len(data)
         return data
@@ -183,8 +196,10 @@ class ChainClient:
             )
         self.published_at[step] = manifest.created
         self._verified[step] = (data, manifest)
-        while len(self._verified) > _VERIFIED_KEPT:
-            del self._verified[min(self._verified)]
+        while len(self._verified) > _VERIFIED_KEPT:  # bounded: a long run does not grow the client
+            oldest = min(self._verified)
+            del self._verified[oldest]
+            self.published_at.pop(oldest, None)
         return manifest
 
     async def walk(

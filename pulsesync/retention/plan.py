@@ -36,7 +36,8 @@ class Published:
     base_step: int | None  # patches only
     objects: tuple[tuple[str, int], ...]  # (key, size)
     marker_size: int = 0
-    marker: bytes = b""  # the signed manifest, kept in the tombstone once the marker is removed
+    # The signed manifest goes into the tombstone; it is read again then, not held by every entry.
+    marker_sha256: str = ""
 
     @property
     def entry(self) -> Entry:
@@ -169,7 +170,7 @@ def plan(listing: StoreListing, policy: RetentionPolicy) -> Plan:
         if listing.now - t.removed_at >= grace and (t.step, t.kind) not in listing.published
     ]
     if policy.grace_seconds == 0:  # markers removed in this run are due at once
-        due += [Tombstone(p.step, p.kind, p.objects, listing.now, p.marker) for p in result.unmark]
+        due += [Tombstone(p.step, p.kind, p.objects, listing.now) for p in result.unmark]
     named_kept = {key for e, p in listing.published.items() if e in keep for key, _ in p.objects}
     result.purge = sorted((_own_objects(t, named_kept) for t in due), key=lambda t: (t.step, t.kind))
     named = {key for p in listing.published.values() for key, _ in p.objects}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import logging
 from collections.abc import Mapping
 
@@ -33,7 +34,13 @@ log = logging.getLogger("pulsesync.retention")
 
 
 class RetentionWorker:
-    """Runs retention against one store; remembers the manifests it has verified (they never change)."""
+    """Runs retention against one store; remembers what it has verified, never more than the store holds.
+
+    A run costs what the store holds and what it deletes, not the run's history: the ready listing
+    is incremental (keys after the newest seen; every `full_listing_every` runs, all of them), a
+    marker or tombstone is read and verified once, and the caches hold one entry per live object
+    (no raw markers: a marker is read again when its tombstone is written).
+    """
 
     def __init__(self, store: Store, policy: RetentionPolicy, trusted: Mapping[str, Ed25519PublicKey]) -> None:
         if not trusted:
@@ -42,7 +49,9 @@ class RetentionWorker:
         self.policy = policy
         self.chain = ChainClient(store, trusted)
         self.skipped: dict[str, str] = {}  # key -> why it was not trusted (markers, tombstones, payload keys)
-        self._manifests: dict[str, Published] = {}  # by ready key
+        self._manifests: dict[Entry, Published] = {}  # the ready markers the store holds, verified
+        self._tombstones: dict[str, Tombstone] = {}  # by key, verified (without their marker bytes)
+        self._runs = 0
 
     def _skip(self, key: str, why: str) -> None:
         if key not in self.skipped:
@@ -52,31 +61,37 @@ class RetentionWorker:
 
     async def listing(self) -> StoreListing:
         """What the store holds now, every marker and tombstone authenticated; untrusted objects skipped."""
-        published: dict[Entry, Published] = {}
-        for entry, info in await self.chain.refresh(from_start=True):
-            known = self._manifests.get(info.key)
-            if known is None:
-                try:
-                    manifest = await self.chain.manifest(entry.step, entry.kind)
-                    data = self.chain.verified_marker(entry.step)[0]  # type: ignore[index]
-                except NotFoundError:
-                    continue  # removed since the listing
-                except IntegrityError as e:
-                    self._skip(info.key, f"{type(e).__name__}: {e}")
-                    continue
-                base = manifest.base_step if isinstance(manifest, PatchManifest) else None
-                objects = tuple((ref.key, ref.size) for ref in manifest.objects)
-                known = Published(entry.step, entry.kind, base, objects, info.size, data)
-                self._manifests[info.key] = known
-            published[(entry.step, entry.kind)] = known
-        tombstones = []
+        full = self._runs % self.policy.full_listing_every == 0
+        self._runs += 1
+        listed = await self.chain.refresh(from_start=full)
+        if full:  # forget what is gone (removed by anyone else)
+            present = self.chain.ready_keys
+            self._manifests = {e: p for e, p in self._manifests.items() if layout.ready_key(*e) in present}
+        for entry, info in listed:
+            if (entry.step, entry.kind) in self._manifests:
+                continue
+            try:
+                manifest = await self.chain.manifest(entry.step, entry.kind)
+                data = self.chain.verified_marker(entry.step)[0]  # type: ignore[index]
+            except NotFoundError:
+                continue  # removed since the listing
+            except IntegrityError as e:
+                self._skip(info.key, f"{type(e).__name__}: {e}")
+                self.chain.reject(entry.step, entry.kind, e)  # never listed again, nor hides later markers
+                continue
+            base = manifest.base_step if isinstance(manifest, PatchManifest) else None
+            objects = tuple((ref.key, ref.size) for ref in manifest.objects)
+            sha = hashlib.sha256(data).hexdigest()
+            self._manifests[(entry.step, entry.kind)] = Published(entry.step, entry.kind, base, objects, info.size, sha)
+        tombstones: dict[str, Tombstone] = {}
         async for info in self.store.list(layout.TOMBSTONE_PREFIX):
             try:
-                tombstones.append(await self._tombstone(info.key))
+                tombstones[info.key] = self._tombstones.get(info.key) or await self._tombstone(info.key)
             except NotFoundError:
                 continue
             except (PulseSyncError, ValueError, KeyError, TypeError, RecursionError) as e:
                 self._skip(info.key, f"tombstone not trusted: {type(e).__name__}: {e}")
+        self._tombstones = tombstones
         payloads: list[ObjectInfo] = []
         for prefix in ("patches/", "anchors/"):
             async for info in self.store.list(prefix):
@@ -84,7 +99,8 @@ class RetentionWorker:
                     payloads.append(ObjectInfo(check_key(info.key), info.size, info.etag, info.last_modified))
                 except StoreError as e:
                     self._skip(info.key, str(e))
-        return StoreListing(published, tombstones, payloads, dt.datetime.now(dt.timezone.utc))
+        now = dt.datetime.now(dt.timezone.utc)
+        return StoreListing(dict(self._manifests), list(tombstones.values()), payloads, now)
 
     async def _tombstone(self, key: str) -> Tombstone:
         """A tombstone, authenticated by the signed marker it carries (which must be the one its key names)."""
@@ -96,7 +112,19 @@ class RetentionWorker:
         if (manifest.step, manifest.kind) != (entry.step, entry.kind):
             raise IntegrityError(f"it holds the {manifest.kind} manifest of step {manifest.step}")
         objects = tuple((ref.key, ref.size) for ref in manifest.objects)
-        return Tombstone(entry.step, entry.kind, objects, removed_at, marker)
+        return Tombstone(entry.step, entry.kind, objects, removed_at)
+
+    async def _marker(self, published: Published) -> bytes | None:
+        """The signed marker retention verified for an entry, read again for its tombstone; None if gone or changed."""
+        key = layout.ready_key(published.step, published.kind)
+        try:
+            data = await self.store.get(key, max_size=MAX_MANIFEST_BYTES)
+        except NotFoundError:
+            return None
+        if hashlib.sha256(data).hexdigest() != published.marker_sha256:
+            self._skip(key, "the marker changed since it was verified")
+            return None
+        return data
 
     async def plan(self) -> Plan:
         """The plan for the store as it is now."""
@@ -106,10 +134,13 @@ class RetentionWorker:
         """Carry out a plan: tombstone then marker; due payloads then their tombstone; orphans."""
         now = dt.datetime.now(dt.timezone.utc)
         for p in todo.unmark:
-            tombstone = Tombstone(p.step, p.kind, p.objects, now, p.marker)
-            await self.store.put(tombstone.key, tombstone.to_bytes())
-            await self.store.delete_many([layout.ready_key(p.step, p.kind)])
-            self._manifests.pop(layout.ready_key(p.step, p.kind), None)
+            marker = await self._marker(p)
+            if marker is not None:
+                tombstone = Tombstone(p.step, p.kind, p.objects, now, marker)
+                await self.store.put(tombstone.key, tombstone.to_bytes())
+                await self.store.delete_many([layout.ready_key(p.step, p.kind)])
+            self._manifests.pop(p.entry, None)
+            self.chain.forget(p.step, p.kind)
         for t in todo.purge:
             await self.store.delete_many([key for key, _ in t.objects])
             await self.store.delete_many([t.key])

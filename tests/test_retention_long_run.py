@@ -1,0 +1,154 @@
+"""Retention over a long run: 100,000 signed steps; what a run costs follows what it deletes, not the run's history.
+
+The steps are published straight into a MemoryStore (tiny payloads, real signed manifests), a
+retention run after every batch, as a daemon on an interval would. Each run publishes and
+deletes the same number of steps, so a run late in the history must cost what an early one did:
+the same requests and bytes read, about the same peak memory, and caches bounded by what the
+store holds. Requests and bytes are counted (RecordingStore), memory traced (tracemalloc):
+nothing here is a timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import tracemalloc
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsesync.digest import StateDigest, TensorDigest
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import FULL_LISTING_EVERY, ChainClient
+from pulsesync.protocol.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes
+from pulsesync.retention import RetentionPolicy, RetentionWorker
+from pulsesync.store.memory import MemoryStore
+from tests.support.recording_store import RecordingStore
+
+STEPS = 100_000
+BATCH = 2_000  # steps published between two retention runs
+ANCHOR_EVERY = 500
+POLICY = RetentionPolicy(keep_patches=100, keep_anchors=2, grace_seconds=0, full_listing_every=10)
+EARLY, LATE = 5, STEPS // BATCH - 5  # compared runs: the same phase of full_listing_every, 40 runs apart
+EARLY_FULL, LATE_FULL = 10, STEPS // BATCH - 10
+
+
+@dataclass
+class RunCost:
+    requests: dict[str, int]
+    bytes_read: int
+    peak_memory: int
+    deleted: int
+
+
+def _signed_steps(key: Ed25519PrivateKey, start: int, stop: int, anchor_every: int = ANCHOR_EVERY) -> dict[str, bytes]:
+    """The objects and ready markers of steps [start, stop): an anchor every `anchor_every` steps, else a patch."""
+    digest = StateDigest(
+        algorithm="mixsum-128",
+        root="0" * 32,
+        tensors={"w": TensorDigest(dtype="BF16", shape=(4,), digest="0" * 32)},
+    )
+    common = {"state_digest": digest, "sizes": Sizes(dense_bytes=8, wire_bytes=1, changed_elements=1)}
+    created = dt.datetime.now(dt.timezone.utc).isoformat()
+    objects: dict[str, bytes] = {}
+    for step in range(start, stop):
+        if step % anchor_every == 0:
+            ref = ObjectRef(key=f"{layout.anchor_dir(step, 'run')}model.safetensors", size=1, sha256="0" * 64)
+            manifest: PatchManifest | AnchorManifest = AnchorManifest(
+                step=step, objects=[ref], created_at=created, codec=AnchorFormat(shards=1), **common
+            )
+        else:
+            ref = ObjectRef(key=layout.patch_key(step, "run"), size=1, sha256="0" * 64)
+            codec = PatchCodec(format_version=2, value_coding="delta", zstd_level=3, chunk_elements=1 << 22)
+            manifest = PatchManifest(
+                step=step,
+                objects=[ref],
+                created_at=created,
+                base_step=step - 1,
+                anchor_step=step - step % anchor_every,
+                base_digest="0" * 32,
+                codec=codec,
+                **common,
+            )
+        objects[ref.key] = b"x"
+        objects[layout.ready_key(step, manifest.kind)] = manifest.signed(key).to_bytes()
+    return objects
+
+
+async def _costs_of_a_long_run() -> tuple[list[RunCost], RetentionWorker]:
+    key = Ed25519PrivateKey.generate()
+    memory = MemoryStore()
+    store = RecordingStore(memory)
+    worker = RetentionWorker(store, POLICY, signing.trusted_keys([key.public_key()]))
+    costs: list[RunCost] = []
+    for run, start in enumerate(range(0, STEPS, BATCH)):
+        for name, data in _signed_steps(key, start, start + BATCH).items():
+            await memory.put(name, data)
+        store.calls.clear()
+        store.bytes_read = 0
+        traced = run in (EARLY, LATE, EARLY_FULL, LATE_FULL)
+        if traced:
+            tracemalloc.start()
+        todo = await worker.run_once()
+        peak = tracemalloc.get_traced_memory()[1] if traced else 0
+        tracemalloc.stop()
+        costs.append(RunCost(dict(store.calls), store.bytes_read, peak, todo.deleted_objects))
+        store.reads.clear()
+        store.writes.clear()
+    return costs, worker
+
+
+async def test_a_retention_run_costs_what_it_deletes_not_the_runs_history() -> None:
+    costs, worker = await _costs_of_a_long_run()
+    for early, late in ((EARLY, LATE), (EARLY_FULL, LATE_FULL)):
+        a, b = costs[early], costs[late]
+        assert a.deleted == b.deleted > BATCH  # the same work: each run removes a batch of steps
+        assert b.requests == a.requests, (early, a.requests, late, b.requests)
+        assert b.bytes_read <= a.bytes_read * 1.01
+        assert b.peak_memory <= a.peak_memory * 1.2, (a.peak_memory, b.peak_memory)
+    # A run reads each new marker once and each removed one again for its tombstone: O(deleted).
+    assert costs[LATE].requests["GET"] <= 2 * BATCH + 10
+    # What the worker holds is what the store holds: the kept markers, never the history.
+    kept = len(worker._manifests)
+    assert kept <= POLICY.keep_patches + ANCHOR_EVERY + POLICY.keep_anchors
+    assert len(worker.chain.listed) <= kept and len(worker.chain.published_at) <= 16
+    store = worker.store
+    assert isinstance(store, RecordingStore) and isinstance(store.inner, MemoryStore)
+    assert len(store.inner.objects) <= 2 * kept
+
+
+def test_markers_and_tombstones_are_read_once_and_a_full_listing_forgets_what_is_gone() -> None:
+    key = Ed25519PrivateKey.generate()
+    memory = MemoryStore()
+    store = RecordingStore(memory)
+    policy = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=3600, full_listing_every=2)
+    worker = RetentionWorker(store, policy, signing.trusted_keys([key.public_key()]))
+    for name, data in _signed_steps(key, 0, 20, anchor_every=5).items():
+        asyncio.run(memory.put(name, data))
+
+    first = asyncio.run(worker.run_once())  # full listing: reads 20 markers, re-reads the 15 it removes
+    assert first.keep == [(15, "anchor"), (16, "patch"), (17, "patch"), (18, "patch"), (19, "patch")]
+    assert len(first.unmark) == 15 and store.calls["GET"] == 20 + 15
+    store.calls.clear()
+    asyncio.run(memory.delete_many([layout.ready_key(19, "patch")]))  # removed by someone else
+    second = asyncio.run(worker.run_once())  # incremental: nothing new; the 15 tombstones read once
+    assert store.calls["GET"] == 15 and not second.unmark and not second.purge
+    store.calls.clear()
+    third = asyncio.run(worker.run_once())  # full listing: tombstones cached, the removed marker forgotten
+    assert store.calls["GET"] == 0 and not third.unmark and not third.purge
+    assert third.keep == [(15, "anchor"), (16, "patch"), (17, "patch"), (18, "patch")]
+
+
+def test_a_following_client_forgets_the_markers_retention_removed() -> None:
+    """A subscriber's listing is incremental; every FULL_LISTING_EVERY-th one starts over, so it never holds history."""
+    memory = MemoryStore()
+    chain = ChainClient(memory, {})
+    for step in range(3):
+        asyncio.run(memory.put(layout.ready_key(step, "patch"), b"{}"))
+    asyncio.run(chain.refresh())
+    asyncio.run(memory.delete_many([layout.ready_key(0, "patch")]))  # retention removed it
+    for _ in range(FULL_LISTING_EVERY - 2):
+        asyncio.run(chain.refresh())
+    assert 0 in chain.listed  # incremental listings cannot see a removal
+    asyncio.run(chain.refresh())
+    assert sorted(chain.listed) == [1, 2]
