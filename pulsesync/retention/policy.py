@@ -25,12 +25,6 @@ class RetentionPolicy(BaseModel):
         "download, and unreferenced payloads must be this old (a publish may still be uploading them)",
     )
     interval_seconds: float = Field(3600.0, gt=0, description="time between runs of the retention daemon")
-    full_listing_every: int = Field(
-        10,
-        ge=1,
-        description="every Nth run lists every ready marker again (the others list only the keys after the newest "
-        "seen, so a run costs what it deletes, not the run's history); catches markers removed by anyone else",
-    )
     dry_run: bool = Field(False, description="print the plan, delete nothing")
 
 

@@ -36,10 +36,9 @@ log = logging.getLogger("pulsesync.retention")
 class RetentionWorker:
     """Runs retention against one store; remembers what it has verified, never more than the store holds.
 
-    A run costs what the store holds and what it deletes, not the run's history: the ready listing
-    is incremental (keys after the newest seen; every `full_listing_every` runs, all of them), a
-    marker or tombstone is read and verified once, and the caches hold one entry per live object
-    (no raw markers: a marker is read again when its tombstone is written).
+    A run costs what the store holds and what it deletes, not the run's history: a marker or
+    tombstone is read and verified once, and the caches hold one entry per live object (no raw
+    markers: a marker is read again when its tombstone is written).
     """
 
     def __init__(self, store: Store, policy: RetentionPolicy, trusted: Mapping[str, Ed25519PublicKey]) -> None:
@@ -51,7 +50,6 @@ class RetentionWorker:
         self.skipped: dict[str, str] = {}  # key -> why it was not trusted (markers, tombstones, payload keys)
         self._manifests: dict[Entry, Published] = {}  # the ready markers the store holds, verified
         self._tombstones: dict[str, Tombstone] = {}  # by key, verified (without their marker bytes)
-        self._runs = 0
 
     def _skip(self, key: str, why: str) -> None:
         if key not in self.skipped:
@@ -61,12 +59,12 @@ class RetentionWorker:
 
     async def listing(self) -> StoreListing:
         """What the store holds now, every marker and tombstone authenticated; untrusted objects skipped."""
-        full = self._runs % self.policy.full_listing_every == 0
-        self._runs += 1
-        listed = await self.chain.refresh(from_start=full)
-        if full:  # forget what is gone (removed by anyone else)
-            present = self.chain.ready_keys
-            self._manifests = {e: p for e, p in self._manifests.items() if layout.ready_key(*e) in present}
+        # Every ready key, every run: an anchor's marker is written after later patches' (it uploads
+        # in the background), so a listing after the newest key seen would miss it. Deleted keys
+        # cost nothing in a listing: this is O(the markers kept), not O(history).
+        listed = await self.chain.refresh(from_start=True)
+        present = self.chain.ready_keys
+        self._manifests = {e: p for e, p in self._manifests.items() if layout.ready_key(*e) in present}
         for entry, info in listed:
             if (entry.step, entry.kind) in self._manifests:
                 continue
