@@ -75,7 +75,6 @@ class RetentionWorker:
                 continue  # removed since the listing
             except IntegrityError as e:
                 self._skip(info.key, f"{type(e).__name__}: {e}")
-                self.chain.reject(entry.step, entry.kind, e)  # not listed, read or verified again
                 continue
             base = manifest.base_step if isinstance(manifest, PatchManifest) else None
             objects = tuple((ref.key, ref.size) for ref in manifest.objects)
