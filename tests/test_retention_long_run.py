@@ -19,7 +19,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.digest import StateDigest, TensorDigest
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import FULL_LISTING_EVERY, ChainClient
 from pulsesync.protocol.manifest import AnchorFormat, AnchorManifest, ObjectRef, PatchCodec, PatchManifest, Sizes
 from pulsesync.retention import RetentionPolicy, RetentionWorker
 from pulsesync.store.memory import MemoryStore
@@ -135,18 +134,3 @@ def test_markers_and_tombstones_are_read_once_and_what_is_gone_is_forgotten() ->
     store.calls.clear()
     third = asyncio.run(worker.run_once())  # nothing new: nothing read
     assert store.calls["GET"] == 0 and not third.unmark and not third.purge
-
-
-def test_a_following_client_forgets_the_markers_retention_removed() -> None:
-    """A subscriber's listing is incremental; every FULL_LISTING_EVERY-th one starts over, so it never holds history."""
-    memory = MemoryStore()
-    chain = ChainClient(memory, {})
-    for step in range(3):
-        asyncio.run(memory.put(layout.ready_key(step, "patch"), b"{}"))
-    asyncio.run(chain.refresh())
-    asyncio.run(memory.delete_many([layout.ready_key(0, "patch")]))  # retention removed it
-    for _ in range(FULL_LISTING_EVERY - 2):
-        asyncio.run(chain.refresh())
-    assert 0 in chain.listed  # incremental listings cannot see a removal
-    asyncio.run(chain.refresh())
-    assert sorted(chain.listed) == [1, 2]

@@ -41,7 +41,6 @@ from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.chain")
 _VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
-FULL_LISTING_EVERY = 100  # ready listings between two of every key (the others list after the newest seen)
 DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
 
 
@@ -74,18 +73,12 @@ class ChainClient:
     last_rejection: IntegrityError | None = None
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
-    _refreshes: int = 0
     _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest]] = field(default_factory=dict)
 
     # --- the ready listing ---------------------------------------------------------------------
     async def refresh(self, *, from_start: bool = False) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:
-        """List the ready markers after the last key seen (every one with from_start); returns those found.
-
-        Every FULL_LISTING_EVERY-th refresh lists from the start too: markers retention removed are
-        forgotten, so a client following a months-long run holds what the store holds, not its history.
-        """
-        self._refreshes += 1
-        if from_start or self._refreshes % FULL_LISTING_EVERY == 0:
+        """List the ready markers after the last key seen (every one with from_start); returns those found."""
+        if from_start:
             self._ready, self._last_key = {}, None
         found = []
         async for info in self.store.list(layout.READY_PREFIX, start_after=self._last_key):
