@@ -14,7 +14,7 @@ number of tensors, and of records in a patch, grows as it does in a real model f
 
 Measured, per size:
   fast_s                 median seconds of Subscriber.sync() one step ahead (list, manifest, patch,
-                         verify, apply in place, incremental digest, journal append)
+                         verify, apply in place, incremental digest; the journal append follows)
   publisher_peak/model   peak RSS of the publisher process beyond the trainer's own state
   subscriber_peak/model  peak RSS of the subscriber process beyond its imports (cold start
                          included), and of the fast-path steps alone

@@ -123,11 +123,14 @@ def lane_change(
 
 
 def update_digest(
-    base: StateDigest, state: Mapping[str, torch.Tensor], changes: Mapping[str, tuple[int, int]], whole: Iterable[str]
+    base: StateDigest,
+    state: Mapping[str, torch.Tensor],
+    changes: Iterable[tuple[str, tuple[int, int]]],
+    whole: Iterable[str],
 ) -> StateDigest:
     """The digest of `state` from the digest of the state before some changes (an incremental algorithm only).
 
-    `changes` holds, per tensor changed in place, how its lane sums moved (`lane_change`, or the
+    `changes` holds (tensor, how its lane sums moved) pairs, any number per tensor (`lane_change`, or the
     apply kernels): O(changed elements) in all. Tensors named in `whole` (added, replaced) are
     hashed whole; tensors gone are dropped.
     """
@@ -135,14 +138,16 @@ def update_digest(
         raise ValueError(f"digest algorithm {base.algorithm} cannot be updated incrementally")
     rehash = set(whole) & state.keys()
     tensors = {n: d for n, d in base.tensors.items() if n in state}
-    for name, moved in changes.items():
+    lanes: dict[str, tuple[int, int]] = {}
+    for name, moved in changes:
         if name not in state or name in rehash:
             continue
         if name not in tensors:  # no digest to update: hash it whole
             rehash.add(name)
             continue
-        lanes = mixsum.add(mixsum.from_hex(tensors[name].digest), moved)
-        tensors[name] = tensors[name].model_copy(update={"digest": mixsum.to_hex(lanes)})
+        lanes[name] = mixsum.add(lanes.get(name) or mixsum.from_hex(tensors[name].digest), moved)
+    for name, sums in lanes.items():
+        tensors[name] = tensors[name].model_copy(update={"digest": mixsum.to_hex(sums)})
     for name in rehash:
         tensors[name] = tensor_digest(state[name], base.algorithm)
     tensors = {n: tensors[n] for n in sorted(tensors)}

@@ -114,14 +114,14 @@ def test_update_digest_from_lane_changes(seed: int, changes: int, start: int) ->
     chunk, index = state["w"].view(torch.int16)[start:], torch.from_numpy(positions)
     old = chunk[index].clone()
     chunk[index] = torch.from_numpy(rng.integers(-(2**15), 2**15, changes, dtype=np.int16))
-    updated = update_digest(base, state, {"w": lane_change(old, chunk[index], start, positions)}, whole=[])
+    updated = update_digest(base, state, [("w", lane_change(old, chunk[index], start, positions))], whole=[])
     assert updated == state_digest(state, "mixsum-128")
 
 
 def test_non_incremental_algorithms_refuse_an_update() -> None:
     state = {"w": torch.zeros(4)}
     with pytest.raises(ValueError, match="incrementally"):
-        update_digest(state_digest(state, "xxh3-128"), state, {}, whole=[])
+        update_digest(state_digest(state, "xxh3-128"), state, [], whole=[])
 
 
 def test_format_1_defaults_to_the_digest_old_subscribers_read() -> None:

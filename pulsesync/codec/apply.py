@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pulsesync import mixsum
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import V2_CODINGS, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.history import ChunkHistory, PatchHistory
@@ -323,7 +322,7 @@ def apply_patch(
     references = reference.chunks if reference is not None else {}
     # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
     incremental = verify and algorithm in INCREMENTAL
-    moved: dict[str, tuple[int, int]] = {}
+    moved: list[tuple[str, tuple[int, int]]] = []
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:
         h = item[0]
@@ -352,7 +351,7 @@ def apply_patch(
             if record is not None:
                 whole_records.append(record)
             if lanes is not None:
-                moved[h.name] = mixsum.add(moved.get(h.name, (0, 0)), (int(lanes[0]), int(lanes[1])))
+                moved.append((h.name, (int(lanes[0]), int(lanes[1]))))
     if previous is not None:
         rehash(previous)
     for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import zstandard
 
-from pulsesync import mixsum
 from pulsesync.codec import bits
 from pulsesync.codec.format import (
     PatchHeader,
@@ -330,9 +329,7 @@ def encode(
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
-        moved: dict[str, tuple[int, int]] = {}
-        for name, lanes in (r.digest_change for r in records if r.digest_change is not None):
-            moved[name] = mixsum.add(moved.get(name, (0, 0)), lanes)
+        moved = [r.digest_change for r in records if r.digest_change is not None]
         new_digest = update_digest(base_digest, new, moved, whole)
     version = params.format_version
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
