@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -291,6 +292,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model, 2 steps per lr, fewer methods")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--hidden", type=int, help="model width (default 1024; quick 512)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 4)")
     parser.add_argument("--steps", type=int, help="measured steps per learning rate (default 4; quick 2)")
@@ -306,24 +308,28 @@ def main() -> None:
     synthetic, real = sections["synthetic"], sections["real-like"]
     default = synthetic["methods"]["pulsesync v2 history-coded (default)"]
     pulse = "PULSE default (baseline)"
+    doc = {
+        "density": synthetic["density"],
+        "baseline_ratio": synthetic["methods"][pulse]["ratio"],
+        "ratio": default["ratio"],
+        "encode_gbps": default["encode_gbps"],
+        "decode_gbps": default["decode_gbps"],
+        "entropy_bound_bytes_per_change": synthetic["entropy_bound_bytes_per_change"],
+        "methods": synthetic["methods"],
+        "per_lr_density": synthetic["per_lr_density"],
+        "parameters": synthetic["parameters"],
+        "real_like_ratio_vs_pulse": real["methods"]["pulsesync v2 stateless"]["ratio_vs_baseline"],
+        "history_ratio_vs_pulse": real["methods"]["pulsesync v2 history-coded (default)"]["ratio_vs_baseline"],
+        "workloads": sections,
+        "machine": {"cpus": default_threads(), "python": platform.python_version(), "torch": torch.__version__},
+    }
     if args.json:
-        doc = {
-            "density": synthetic["density"],
-            "baseline_ratio": synthetic["methods"][pulse]["ratio"],
-            "ratio": default["ratio"],
-            "encode_gbps": default["encode_gbps"],
-            "decode_gbps": default["decode_gbps"],
-            "entropy_bound_bytes_per_change": synthetic["entropy_bound_bytes_per_change"],
-            "methods": synthetic["methods"],
-            "per_lr_density": synthetic["per_lr_density"],
-            "parameters": synthetic["parameters"],
-            "real_like_ratio_vs_pulse": real["methods"]["pulsesync v2 stateless"]["ratio_vs_baseline"],
-            "history_ratio_vs_pulse": real["methods"]["pulsesync v2 history-coded (default)"]["ratio_vs_baseline"],
-            "workloads": sections,
-            "machine": {"cpus": default_threads(), "python": platform.python_version(), "torch": torch.__version__},
-        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
+    if args.plots:
+        import plots
+
+        plots.codec(doc, args.plots)
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
 
 

@@ -15,6 +15,9 @@ number of tensors, and of records in a patch, grows as it does in a real model f
 Measured, per size:
   fast_s                 median seconds of Subscriber.sync() one step ahead (list, manifest, patch,
                          verify, apply in place, incremental digest; the journal append follows)
+  floor_s                the baseline: median seconds to flip one bit of each element a step changes
+                         in the held state (one read-modify-write each, nothing else): what the
+                         memory hierarchy alone charges a sparse update of that size
   publisher_peak/model   peak RSS of the publisher process beyond the trainer's own state
   subscriber_peak/model  peak RSS of the subscriber process beyond its imports (cold start
                          included), and of the fast-path steps alone
@@ -109,27 +112,65 @@ def _positions(step: int, total: int, changes: int) -> np.ndarray:
 
 def advance(state: dict[str, torch.Tensor], step: int, changes: int) -> None:
     """Move `changes` elements by +-1..4 ordered steps (mostly 1), in place."""
-    names = list(state)
-    sizes = np.array([state[n].numel() for n in names], np.int64)
-    ends = np.cumsum(sizes)
-    positions = _positions(step, int(ends[-1]), changes)
+    positions = _positions(step, sum(t.numel() for t in state.values()), changes)
     rng = np.random.default_rng(10**9 + step)
-    moves = rng.choice(np.array([1, 1, 1, 1, 1, 1, 1, 2, 3, 4], np.int32), positions.size)
-    moves *= rng.choice(np.array([-1, 1], np.int32), positions.size)
-    which = np.searchsorted(ends, positions, side="right")
-    for i in np.unique(which):
-        mask = which == i
-        local = positions[mask] - (ends[i] - sizes[i])
-        t = state[names[i]]
+    all_moves = rng.choice(np.array([1, 1, 1, 1, 1, 1, 1, 2, 3, 4], np.int32), positions.size)
+    all_moves *= rng.choice(np.array([-1, 1], np.int32), positions.size)
+    done = 0
+    for t, local in _by_tensor(state, positions):  # positions ascend: each tensor's moves are the next ones
+        moves = all_moves[done : done + local.size]
+        done += local.size
         if t.dtype == torch.uint8:
             flat8 = t.view(-1).numpy()
-            flat8[local] = (flat8[local].astype(np.int32) + moves[mask]).astype(np.uint8)
+            flat8[local] = (flat8[local].astype(np.int32) + moves).astype(np.uint8)
             continue
         flat = t.view(-1).view(torch.int16).numpy()
         x = flat[local].astype(np.int32)
         ordered = x ^ ((x >> 15) & 0x7FFF)
-        ordered = np.clip(ordered + moves[mask], -32768, 32767)
+        ordered = np.clip(ordered + moves, -32768, 32767)
         flat[local] = (ordered ^ ((ordered >> 15) & 0x7FFF)).astype(np.int16)
+
+
+def _by_tensor(state: dict[str, torch.Tensor], positions: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
+    """Flat positions over all of `state` as (tensor, its local positions) pairs."""
+    names = list(state)
+    sizes = np.array([state[n].numel() for n in names], np.int64)
+    ends = np.cumsum(sizes)
+    which = np.searchsorted(ends, positions, side="right")
+    return [(state[names[i]], positions[which == i] - (ends[i] - sizes[i])) for i in np.unique(which)]
+
+
+def _flip_low_bit(flat: np.ndarray, positions: np.ndarray) -> None:
+    """flat[p] ^= 1 at each position: one read-modify-write each, nothing else."""
+    for i in range(positions.size):
+        flat[positions[i]] ^= 1
+
+
+if fused.numba is not None:
+    _flip_low_bit = fused.numba.njit(nogil=True)(_flip_low_bit)
+
+
+def memory_floor(state: dict[str, torch.Tensor], first_step: int, steps: int, changes: int) -> float:
+    """Median seconds to flip one bit of each element a step changes (steps not yet applied; each flipped back).
+
+    The floor of any sparse update in place: one read-modify-write per changed element, in the
+    same order, with the step's recurring half as in the workload. Its growth with the model is
+    the memory hierarchy's (cache and TLB misses per change), not pulsesync's.
+    """
+    total = sum(t.numel() for t in state.values())
+    seconds = []
+    for step in range(first_step, first_step + steps):
+        pieces = [
+            (t.view(-1).view(torch.uint8 if t.element_size() == 1 else torch.int16).numpy(), p)
+            for t, p in _by_tensor(state, _positions(step, total, changes))
+        ]
+        t0 = time.perf_counter()
+        for flat, local in pieces:
+            _flip_low_bit(flat, local)
+        seconds.append(time.perf_counter() - t0)
+        for flat, local in pieces:  # back as it was
+            _flip_low_bit(flat, local)
+    return statistics.median(seconds)
 
 
 def state_at(spec: Spec, step: int) -> dict[str, torch.Tensor]:
@@ -213,6 +254,7 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     fast_over = (rss("VmHWM") - fast_rss0) / model
     await sub.close()
     held = sub.state
+    floor = memory_floor(held, spec["steps"] + 1, spec["steps"], spec["changes"])
     expected = state_at(spec, spec["steps"])
     exact = all(
         torch.equal(held[n].view(-1).view(torch.uint8), expected[n].view(-1).view(torch.uint8)) for n in expected
@@ -222,6 +264,7 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
         "cold_start_s": cold.seconds,
         "fast_s": statistics.median(seconds),
         "fast_s_all": seconds,
+        "floor_s": floor,
         "cache_bytes": cache_bytes,
         "requests": {op: n / steps for op, n in sorted(calls.items())},
         "peak_over_model": max(cold_peak, fast_peak) / model,
@@ -257,6 +300,7 @@ def measure_size(spec: Spec, key_pem: bytes) -> dict[str, Any]:
         "subscriber_fast_extra_over_model": sub["fast_extra_over_model"],
         "fast_s": sub["fast_s"],
         "fast_s_all": sub["fast_s_all"],
+        "floor_s": sub["floor_s"],
         "cold_start_s": sub["cold_start_s"],
         "cache_bytes_per_patch_byte": statistics.median(sub["cache_bytes"]) / patch,
         "requests_per_step": sub["requests"],
@@ -336,6 +380,7 @@ def main() -> None:
     parser.add_argument("--huge", action="store_true", help="also one tensor of more than 2**31 elements")
     parser.add_argument("--fanout", type=int, default=32, help="subscribers following one publisher (0: skip)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--child", nargs=4, metavar=("ROLE", "SPEC", "STORE", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -359,7 +404,8 @@ def main() -> None:
         sizes.append(row)
         print(
             f"{row['parameters'] / 1e6:8.0f}M params  {row['model_bytes'] / 2**30:6.2f} GiB  patch "
-            f"{row['patch_bytes'] / 2**20:6.2f} MiB  fast {row['fast_s'] * 1000:7.1f} ms  cache/patch "
+            f"{row['patch_bytes'] / 2**20:6.2f} MiB  fast {row['fast_s'] * 1000:7.1f} ms  floor "
+            f"{row['floor_s'] * 1000:6.1f} ms  cache/patch "
             f"{row['cache_bytes_per_patch_byte']:.3f}  requests {row['requests_per_step']}  pub peak "
             f"{row['publisher_peak_over_model']:.2f}x  sub peak {row['subscriber_peak_over_model']:.2f}x "
             f"(fast steps +{row['subscriber_fast_extra_over_model']:.3f}x)  exact {row['bit_exact']}",
@@ -388,6 +434,10 @@ def main() -> None:
     result = {
         "fast_path_growth": per_byte[-1] / per_byte[0],
         "fast_path_growth_raw": sizes[-1]["fast_s"] / sizes[0]["fast_s"],
+        "memory_floor_growth": sizes[-1]["floor_s"] / sizes[0]["floor_s"],
+        # What pulsesync adds to the hardware's growth: its step's growth over the floor's.
+        "fast_path_growth_over_floor": (sizes[-1]["fast_s"] / sizes[0]["fast_s"])
+        / (sizes[-1]["floor_s"] / sizes[0]["floor_s"]),
         "cache_bytes_per_patch_byte": max(r["cache_bytes_per_patch_byte"] for r in sizes),
         "requests_per_step": float(sum(total_requests.values())),
         "publisher_peak_over_model": max(r["publisher_peak_over_model"] for r in sizes),
@@ -399,11 +449,16 @@ def main() -> None:
     }
     print(
         f"fast-path growth {result['fast_path_growth']:.2f}x per patch byte ({result['fast_path_growth_raw']:.2f}x "
-        f"per step) from the smallest to the largest model; cache bytes per patch byte "
+        f"per step; the memory floor {result['memory_floor_growth']:.2f}x) from the smallest to the largest "
+        f"model; cache bytes per patch byte "
         f"{result['cache_bytes_per_patch_byte']:.3f}; {result['requests_per_step']:.2f} requests per step"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plots:
+        import plots
+
+        plots.scale(result, args.plots)
     # The contracts CI holds (no timings: those are for reading, on a quiet machine).
     broken = [r["parameters"] for r in sizes if not r["bit_exact"]]
     if broken or result["cache_bytes_per_patch_byte"] > 2.0 or result["requests_per_step"] > 3.0:

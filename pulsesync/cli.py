@@ -96,6 +96,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             "store.endpoint_url": args.endpoint_url,
             "signing_key": args.signing_key,
             "anchor_interval": args.anchor_interval,
+            "metrics_port": args.metrics_port,
         },
     )
     logging.getLogger("pulsesync.publisher").setLevel(logging.INFO)  # one line per published step
@@ -147,6 +148,7 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
 def _cmd_retain(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pulsesync import metrics
     from pulsesync.protocol import signing
     from pulsesync.retention import RetentionWorker
     from pulsesync.retention.policy import RetentionConfig
@@ -162,6 +164,7 @@ def _cmd_retain(args: argparse.Namespace) -> int:
             "keep_anchors": args.keep_anchors,
             "grace_seconds": args.grace_seconds,
             "dry_run": True if args.dry_run else None,
+            "metrics_port": args.metrics_port,
         },
     )
     if args.trusted_key:
@@ -170,6 +173,7 @@ def _cmd_retain(args: argparse.Namespace) -> int:
     logging.getLogger("pulsesync.retention").setLevel(logging.INFO)  # one summary line per run
 
     async def run() -> None:
+        metrics.serve(config.metrics_port)
         async with open_store(config.store) as store:
             worker = RetentionWorker(store, config, trusted)
             if args.once or config.dry_run:
@@ -188,7 +192,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from pulsesync.inspect_chain import chain_rows, format_table, rows_as_json
+    from pulsesync.inspect_chain import chain_rows, format_table, retired_rows, rows_as_json
     from pulsesync.protocol import signing
     from pulsesync.store import open_store
 
@@ -198,6 +202,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     async def run() -> None:
         async with open_store(config.store) as store:
             rows = await chain_rows(store, trusted)
+            retired = await retired_rows(store, trusted) if args.html else []
+            url = store.url
+        if args.html:
+            from pulsesync.chain_report import render
+
+            args.html.write_text(render(rows, retired, url), encoding="utf-8")
+            print(f"wrote {args.html} ({len(rows)} steps, {len(retired)} removed by retention)")
+            return
         print(json.dumps(rows_as_json(rows)) if args.json else format_table(rows))
 
     asyncio.run(run())
@@ -304,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--interval", type=float, default=5.0, help="--synthetic: seconds between steps (default 5)")
     publish.add_argument("--max-steps", type=int, metavar="N", help="--synthetic: stop after N steps (default: never)")
     publish.add_argument("--once", action="store_true", help="with --watch: publish the checkpoints there now, exit")
+    publish.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on PORT")
     publish.set_defaults(run=_cmd_publish)
 
     trusted_flag = argparse.ArgumentParser(add_help=False)
@@ -330,12 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
     retain.add_argument("--grace-seconds", type=float, metavar="S", help="payloads go this long after their marker")
     retain.add_argument("--once", action="store_true", help="run once and exit (default: every interval_seconds)")
     retain.add_argument("--dry-run", action="store_true", help="print exactly what would be deleted, delete nothing")
+    retain.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on PORT")
     retain.set_defaults(run=_cmd_retain)
 
     inspect = commands.add_parser(
         "inspect", parents=[common, trusted_flag], help="show the chain in a store (verified with --trusted-key)"
     )
     inspect.add_argument("--json", action="store_true", help="one JSON array instead of the table")
+    inspect.add_argument(
+        "--html", type=Path, metavar="FILE", help="write a self-contained HTML report (timeline, chains, table)"
+    )
     inspect.set_defaults(run=_cmd_inspect)
     verify = commands.add_parser(
         "verify", parents=[common, trusted_flag], help="rebuild a step from the store and check every digest"

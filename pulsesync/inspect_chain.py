@@ -15,7 +15,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulsesync.errors import PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
-from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest, verify_manifest
+from pulsesync.protocol.manifest import (
+    MAX_MANIFEST_BYTES,
+    AnchorManifest,
+    PatchManifest,
+    parse_manifest,
+    verify_manifest,
+)
+from pulsesync.retention.plan import Tombstone
 from pulsesync.store import Store
 
 
@@ -87,6 +94,39 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
             walk = layout.walk_known(bases[row.step], anchors.__contains__, bases)
             row.chains_from = walk.end if walk.complete else None
     return rows
+
+
+@dataclass
+class RetiredRow:
+    """A step retention took out of service: its tombstone (payloads deleted after the grace period, then it)."""
+
+    step: int
+    kind: str
+    removed_at: dt.datetime
+    payload_bytes: int
+    verified: bool | None  # the signed marker it carries; None: no trusted keys given
+    error: str | None = None
+
+
+async def retired_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> list[RetiredRow]:
+    """Every retention tombstone in the store, in step order (unreadable ones with their error)."""
+    rows = []
+    async for info in store.list(layout.TOMBSTONE_PREFIX):
+        entry = layout.parse_ready_key(info.key, layout.TOMBSTONE_PREFIX)
+        if entry is None:
+            continue
+        name = f"{store.url}{info.key}"
+        try:
+            marker, removed_at = Tombstone.parse(await store.get(info.key, max_size=2 * MAX_MANIFEST_BYTES))
+            manifest = verify_manifest(marker, trusted, name=name) if trusted else parse_manifest(marker, name)
+            if (manifest.step, manifest.kind) != (entry.step, entry.kind):
+                raise ValueError(f"it holds the {manifest.kind} manifest of step {manifest.step}")
+            size = sum(ref.size for ref in manifest.objects)
+            rows.append(RetiredRow(entry.step, entry.kind, removed_at, size, True if trusted else None))
+        except (PulseSyncError, ValueError) as e:
+            epoch = dt.datetime.fromtimestamp(0, dt.timezone.utc)
+            rows.append(RetiredRow(entry.step, entry.kind, epoch, 0, False, f"{type(e).__name__}: {e}"))
+    return sorted(rows, key=lambda r: (r.step, r.kind))
 
 
 def _age(seconds: float) -> str:

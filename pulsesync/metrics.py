@@ -50,6 +50,16 @@ CACHE_BYTES_WRITTEN = Counter(
     "pulsesync_cache_bytes_written_total", "Bytes written to cache_dir: journaled patches, whole base states", ["kind"]
 )
 HEALTHY = Gauge("pulsesync_healthy", "1 while the subscriber is healthy")
+RETENTION_DELETED_OBJECTS = Counter(
+    "pulsesync_retention_deleted_objects_total",
+    "Objects retention deleted, by kind (marker, payload, tombstone, orphan)",
+    ["kind"],
+)
+RETENTION_DELETED_BYTES = Counter(
+    "pulsesync_retention_deleted_bytes_total",
+    "Bytes retention deleted, by kind (payload: sizes from the signed manifests; orphan: as listed)",
+    ["kind"],
+)
 RETENTION_SKIPPED = Counter(
     "pulsesync_retention_skipped_total", "Markers, tombstones and keys retention did not trust and left alone"
 )

@@ -37,6 +37,7 @@ LAYERS = {
     "publisher": 7,
     "subscriber": 7,
     "inspect_chain": 7,
+    "chain_report": 8,
     "integrations": 8,
     "demo": 9,
     "cli": 10,

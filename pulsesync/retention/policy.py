@@ -34,3 +34,4 @@ class RetentionConfig(Config, RetentionPolicy):
     trusted_keys: list[Path] = Field(
         default_factory=list, description="the publisher's public keys: only markers they sign are read"
     )
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics on this port")

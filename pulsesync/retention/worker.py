@@ -20,8 +20,8 @@ from collections.abc import Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pulsesync import metrics
 from pulsesync.errors import ConfigError, IntegrityError, NotFoundError, PulseSyncError, StoreError
-from pulsesync.metrics import RETENTION_SKIPPED
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, PatchManifest, verify_manifest
@@ -53,7 +53,7 @@ class RetentionWorker:
 
     def _skip(self, key: str, why: str) -> None:
         if key not in self.skipped:
-            RETENTION_SKIPPED.inc()
+            metrics.RETENTION_SKIPPED.inc()
             log.warning("retention: skipping %s%s (%s)", self.store.url, key, why)
         self.skipped[key] = why
 
@@ -136,13 +136,17 @@ class RetentionWorker:
                 tombstone = Tombstone(p.step, p.kind, p.objects, now, marker)
                 await self.store.put(tombstone.key, tombstone.to_bytes())
                 await self.store.delete_many([layout.ready_key(p.step, p.kind)])
+                metrics.RETENTION_DELETED_OBJECTS.labels("marker").inc()
             self._manifests.pop(p.entry, None)
             self.chain.forget(p.step, p.kind)
         for t in todo.purge:
             await self.store.delete_many([key for key, _ in t.objects])
+            _count_deleted("payload", len(t.objects), sum(size for _, size in t.objects))
             await self.store.delete_many([t.key])
+            metrics.RETENTION_DELETED_OBJECTS.labels("tombstone").inc()
         if todo.orphans:
             await self.store.delete_many([o.key for o in todo.orphans])
+            _count_deleted("orphan", len(todo.orphans), sum(o.size for o in todo.orphans))
 
     async def run_once(self, dry_run: bool | None = None) -> Plan:
         """Plan and (unless dry-run) execute once; logs a summary."""
@@ -163,3 +167,8 @@ class RetentionWorker:
                 log.error("retention run failed: %s: %s", type(e).__name__, e)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.policy.interval_seconds)
+
+
+def _count_deleted(kind: str, objects: int, size: int) -> None:
+    metrics.RETENTION_DELETED_OBJECTS.labels(kind).inc(objects)
+    metrics.RETENTION_DELETED_BYTES.labels(kind).inc(size)
