@@ -31,6 +31,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pulsesync.dtypes import dense_bytes
 from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
@@ -52,7 +53,7 @@ def make_states(hidden: int, layers: int, steps: int) -> list[dict[str, torch.Te
 
 def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: int) -> dict[str, float]:
     states = make_states(hidden, layers, steps)
-    dense = sum(t.numel() * t.element_size() for t in states[0].values())
+    dense = dense_bytes(states[0])
     buffers = {n: torch.empty_like(t) for n, t in states[0].items()}
     key = Ed25519PrivateKey.generate()
     copies, latencies = [], []

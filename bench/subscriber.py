@@ -42,6 +42,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pulsesync import mixsum
 from pulsesync.codec import fused
+from pulsesync.dtypes import dense_bytes
 from pulsesync.protocol import signing
 from pulsesync.protocol.manifest import AnchorManifest
 from pulsesync.publisher import Publisher
@@ -161,7 +162,7 @@ async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, tor
         for ref in shards:
             await store.download_file(ref.key, Path(spool) / "shard", expected_sha256=ref.sha256)
         full_s = time.perf_counter() - t0
-    gib = sum(t.numel() * t.element_size() for t in states[0].values()) / 2**30
+    gib = dense_bytes(states[0]) / 2**30
     fast_s, fast_excl_s = statistics.median(fast), statistics.median(fast_excl)
     return {
         "state_gib": gib,

@@ -19,6 +19,11 @@ _STATUS_COLOUR = {True: "#2b8a3e", None: "#5c7cfa", False: "#c92a2a"}  # verifie
 _STATUS_TEXT = {True: "verified", None: "not checked (no trusted key)", False: "FAILED verification"}
 
 
+def _verdict(row: ChainRow) -> bool | None:
+    """Verified (True), not checked (None), or failed (False: a bad signature or an unreadable manifest)."""
+    return row.verified if row.signer else False
+
+
 def _density(row: ChainRow, elements: int | None) -> str:
     if row.kind == "anchor" or not elements:
         return "-"
@@ -35,7 +40,7 @@ def chains(rows: list[ChainRow]) -> dict[int, tuple[int, int]]:
     return reach
 
 
-def _svg(rows: list[ChainRow], retired: list[RetiredRow]) -> str:
+def _svg(rows: list[ChainRow], retired: list[RetiredRow], reach: dict[int, tuple[int, int]]) -> str:
     steps = [r.step for r in rows] + [r.step for r in retired]
     if not steps:
         return "<p>No steps in the store.</p>"
@@ -56,16 +61,16 @@ def _svg(rows: list[ChainRow], retired: list[RetiredRow]) -> str:
         return _PLOT_TOP + _PLOT_HEIGHT * (1 - min(max(level, 0.0), 1.0))
 
     base = _PLOT_TOP + _PLOT_HEIGHT
-    out = [f'<svg width="{_WIDTH}" height="{base + 60 + 16 * len(chains(rows))}" ']
+    out = [f'<svg width="{_WIDTH}" height="{base + 60 + 16 * len(reach)}" ']
     out[0] += 'role="img" aria-label="timeline of the stream">'
     for exp in range(bottom_exp, top_exp + 1):
         out.append(f'<line x1="{_LEFT}" x2="{_WIDTH - 20}" y1="{y(10**exp):.1f}" y2="{y(10**exp):.1f}" class="grid"/>')
         out.append(f'<text x="{_LEFT - 6}" y="{y(10**exp) + 4:.1f}" class="axis" text-anchor="end">1e{exp} B</text>')
     for r in rows:
-        colour = _STATUS_COLOUR[r.verified] if r.signer else _STATUS_COLOUR[False]
+        colour = _STATUS_COLOUR[_verdict(r)]
         tip = escape(
             f"step {r.step} {r.kind}: {r.wire_bytes:,} wire bytes, {r.changed_elements:,} changed, "
-            f"ratio {r.ratio:.0f}x, {_STATUS_TEXT[r.verified if r.signer else False]}"
+            f"ratio {r.ratio:.0f}x, {_STATUS_TEXT[_verdict(r)]}"
             + (f", chains from {r.chains_from}" if r.kind == "patch" else "")
         )
         top = y(r.wire_bytes)
@@ -94,7 +99,7 @@ def _svg(rows: list[ChainRow], retired: list[RetiredRow]) -> str:
     for step in range(low, high + 1):
         if step % tick_every == 0:
             out.append(f'<text x="{x(step):.1f}" y="{base + 14}" class="axis" text-anchor="middle">{step}</text>')
-    for i, (anchor, (first, last)) in enumerate(sorted(chains(rows).items())):
+    for i, (anchor, (first, last)) in enumerate(sorted(reach.items())):
         line_y = base + 34 + 16 * i
         out.append(
             f'<line class="chain" x1="{x(first):.1f}" x2="{x(last):.1f}" y1="{line_y}" y2="{line_y}">'
@@ -127,7 +132,7 @@ def render(rows: list[ChainRow], retired: list[RetiredRow], store_url: str, now:
     now = now or dt.datetime.now(dt.timezone.utc)
     patches = [r for r in rows if r.kind == "patch"]
     anchors = [r for r in rows if r.kind == "anchor"]
-    failed = [r for r in rows if r.verified is False or not r.signer]
+    failed = [r for r in rows if _verdict(r) is False]
     elements = max((r.changed_elements for r in anchors), default=None)
     reach = chains(rows)
     summary = [
@@ -142,9 +147,9 @@ def render(rows: list[ChainRow], retired: list[RetiredRow], store_url: str, now:
     ]
     table: list[tuple[int, int, str]] = []  # (step, 0 for removed / 1 for present, row): in step order
     for r in rows:
-        classes = " ".join(c for c, on in (("anchor", r.kind == "anchor"), ("bad", r in failed)) if on)
+        classes = " ".join(c for c, on in (("anchor", r.kind == "anchor"), ("bad", _verdict(r) is False)) if on)
         chain = "-" if r.kind == "anchor" else "broken" if r.chains_from is None else str(r.chains_from)
-        status = _STATUS_TEXT[r.verified if r.signer else False] + (f": {r.error}" if r.error else "")
+        status = _STATUS_TEXT[_verdict(r)] + (f": {r.error}" if r.error else "")
         table.append(
             (
                 r.step,
@@ -185,7 +190,7 @@ def render(rows: list[ChainRow], retired: list[RetiredRow], store_url: str, now:
 <span><i style="background:#1c7ed6"></i>chain from an anchor</span>
 <span>bar height: wire bytes (log scale); A: anchor</span>
 </div>
-{_svg(rows, retired)}
+{_svg(rows, retired, reach)}
 <h2>Chains a subscriber can take</h2><ul id="chains">{chain_lines or "<li>none: no anchor</li>"}</ul>
 <table id="steps"><thead><tr><th>step</th><th class="l">kind</th><th>base</th><th>chain</th><th>wire bytes</th>
 <th>changed</th><th>density</th><th>ratio</th><th class="l">signer</th><th class="l">status</th></tr></thead>

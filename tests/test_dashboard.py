@@ -76,7 +76,8 @@ def series_and_labels(pages: list[str]) -> tuple[dict[str, set[str]], set[str]]:
     return series, sampled
 
 
-def _wait_for(port: int, done: re.Pattern[str], what: str, deadline: float) -> str:
+def _wait_for(port: int, done: re.Pattern[str], what: str, deadline: float, logs: list[Path]) -> str:
+    """The page once it matches `done`; on timeout, fail with the daemons' log tails."""
     while True:
         try:
             page = scrape(port)
@@ -85,7 +86,8 @@ def _wait_for(port: int, done: re.Pattern[str], what: str, deadline: float) -> s
         except OSError:
             pass
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
+            tails = "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for log in logs)
+            pytest.fail(f"timed out waiting for {what}\n{tails}")
         time.sleep(0.2)
 
 
@@ -144,22 +146,27 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     ]
     deadline = time.monotonic() + 120
     with ExitStack() as stack:
-        for command in commands:
-            process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        logs = [tmp / f"{command[3]}.log" for command in commands]
+        for command, log in zip(commands, logs, strict=True):
+            output = stack.enter_context(log.open("wb"))
+            process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
             stack.callback(process.wait, 30)
             stack.callback(process.terminate)
         # Each daemon has done its part once: the subscriber followed patches on the fast path,
         # retention deleted payloads (so every panel's series has samples to check labels on).
         sub = _wait_for(
-            ports[1], re.compile(r'pulsesync_sync_seconds_count\{path="fast"\} [1-9]'), "fast syncs", deadline
+            ports[1], re.compile(r'pulsesync_sync_seconds_count\{path="fast"\} [1-9]'), "fast syncs", deadline, logs
         )
         kept = _wait_for(
             ports[2],
             re.compile(r'pulsesync_retention_deleted_objects_total\{kind="payload"\} [1-9]'),
             "a purge",
             deadline,
+            logs,
         )
-        pub = _wait_for(ports[0], re.compile(r'pulsesync_published_total\{kind="anchor"\} [2-9]'), "anchors", deadline)
+        pub = _wait_for(
+            ports[0], re.compile(r'pulsesync_published_total\{kind="anchor"\} [2-9]'), "anchors", deadline, logs
+        )
         return [pub, sub, kept]
 
 

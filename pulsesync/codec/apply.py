@@ -135,10 +135,7 @@ def _apply_packed(
     fused.apply_delta_2byte(
         target, positions, packed, escapes, old, deltas, h.start, _NO_LANES if lanes is None else lanes
     )
-    if undo is not None:
-        undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old)))
-    if history is not None:
-        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas)
+    _log_kernel_chunk(h, positions, old, deltas, undo, history)
 
 
 def _apply_coded(
@@ -206,10 +203,7 @@ def _apply_deltas(
         fused.apply_planes_2byte(
             target, positions, record.planes, by_class, ref_deltas, old_values, applied, h.start, out
         )
-        if undo is not None:
-            undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old_values)))
-        if history is not None:
-            history.chunks[key] = ChunkHistory(positions, applied)
+        _log_kernel_chunk(h, positions, old_values, applied, undo, history)
         return
     index = torch.from_numpy(record.positions).to(chunk.device)
     old = chunk.index_select(0, index)
@@ -231,6 +225,21 @@ def _apply_deltas(
         _add_lanes(lanes, lane_change(before, new, h.start, record.positions))
     if history is not None:
         history.chunks[key] = ChunkHistory(record.positions, deltas)
+
+
+def _log_kernel_chunk(
+    h: RecordHeader,
+    positions: np.ndarray,
+    old: np.ndarray,
+    deltas: np.ndarray,
+    undo: UndoLog | None,
+    history: PatchHistory | None,
+) -> None:
+    """What a fused kernel overwrote into the undo log, and the deltas it applied into the history."""
+    if undo is not None:
+        undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old)))
+    if history is not None:
+        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas)
 
 
 _NO_LANES = np.zeros(0, np.uint64)  # the kernels' "no digest to update"
