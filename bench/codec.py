@@ -6,7 +6,10 @@ Every measured step must change 0.5-1.5% of elements (checked). In the same run,
 step pairs, it measures a baseline implementing PULSE's default (per-tensor sorted positions,
 delta-encoded, downcast to the narrowest unsigned int, raw bf16 values, zstd-1) and each
 pulsesync setting: bytes per changed element, full ratio (dense bf16 bytes / patch bytes), and
-encode (diff + encode + compress) and decode + apply throughput in GB/s of dense state.
+encode (diff + encode + compress) and decode + apply throughput in GB/s of dense state, and where
+the bytes go: positions, values and framing (headers, zstd frame overhead), exact for pulsesync
+(EncodedPatch.wire), estimated for PULSE (pulse_wire). A sweep (bytes only, untimed) keeps every
+step's ratio, density and split from the first optimizer step on at lr 1e-6, 3e-6 and 1e-5.
 
     python bench/codec.py                     # full run (145M parameters), prints a table
     python bench/codec.py --quick --json out.json   # < 60 s on 2 cores; the automation contract
@@ -15,12 +18,13 @@ encode (diff + encode + compress) and decode + apply throughput in GB/s of dense
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,13 +33,22 @@ import numpy as np
 import torch
 
 from pulsesync.codec import CodecParams, PatchHistory, apply_patch, encode
-from pulsesync.codec.baseline import pulse_apply, pulse_encode
+from pulsesync.codec.baseline import pulse_apply, pulse_encode, pulse_wire
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes, real_like_trainer
 from pulsesync.threads import default_threads
 
 State = dict[str, torch.Tensor]
 DENSITY_RANGE = (0.003, 0.015)  # real fine-tunes measured 0.1%..1.1% (docs/benchmarks.md)
+SWEEP_LRS = (1e-6, 3e-6, 1e-5)
+METHODS = [  # (name, params, history-coded); the quick run and the sweep take the first three
+    # Digests are given to the encoder (not timed): the steps' are mixsum-128, format 1's default is xxh3-128.
+    ("pulsesync v1 (format 1, delta)", CodecParams(format_version=1, digest_algorithm="mixsum-128"), False),
+    ("pulsesync v2 stateless", CodecParams(), False),
+    ("pulsesync v2 history-coded (default)", CodecParams(), True),
+    ("pulsesync v2 history, zstd-3", CodecParams(zstd_level=3), True),
+    ("pulsesync v2 history, 1 thread", CodecParams(threads=1), True),
+]
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -43,6 +56,7 @@ DENSITY_RANGE = (0.003, 0.015)  # real fine-tunes measured 0.1%..1.1% (docs/benc
 
 @dataclass
 class Step:
+    step: int  # the trainer's optimizer step that produced `new`
     lr: float
     old: State
     new: State
@@ -59,6 +73,7 @@ class Step:
 class Result:
     method: str
     patch_bytes: list[int] = field(default_factory=list)
+    wire: list[dict[str, int]] = field(default_factory=list)  # per step: bytes by role
     encode_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
 
@@ -73,30 +88,58 @@ WORKLOADS: dict[str, Callable[[int, int, float, int], SyntheticTrainer]] = {
 }
 
 
+def training_steps(workload: str, lr: float, hidden: int, layers: int, seed: int, first: int = 1) -> Iterator[Step]:
+    """Consecutive bf16 states of one training run from optimizer step `first` on, each step's reference
+    the history of the patch before (what a subscriber holds), as the publisher codes them."""
+    trainer = WORKLOADS[workload](hidden, layers, lr, seed)
+    before: State | None = None
+    prev = trainer.state()
+    prev_digest = state_digest(prev)
+    reference: PatchHistory | None = None
+    for step in itertools.count(1):
+        trainer.step()
+        cur = trainer.state()
+        cur_digest = state_digest(cur)
+        if step >= first:
+            changed = sum(int((prev[n].view(torch.int16) != cur[n].view(torch.int16)).sum()) for n in cur)
+            numel = sum(t.numel() for t in cur.values())
+            yield Step(step, lr, prev, cur, prev_digest, cur_digest, changed, numel, 2 * numel, reference, before)
+        if step >= first - 1:  # the patch a yielded step is coded against
+            reference = encode(prev, cur, base_digest=prev_digest, new_digest=cur_digest, reference=reference).history
+        before, prev, prev_digest = prev, cur, cur_digest
+
+
 def make_steps(
     workload: str, lrs: list[float], hidden: int, layers: int, warmup: int, measured: int, seed: int
 ) -> list[Step]:
-    """Warm AdamW up (its first updates are unusually dense), then keep consecutive bf16 states."""
+    """Past AdamW's warmup (its first updates are unusually dense), `measured` consecutive steps per lr."""
     steps = []
     for lr in lrs:
-        trainer = WORKLOADS[workload](hidden, layers, lr, seed)
-        for _ in range(warmup):
-            trainer.step()
-        before = trainer.state()
-        trainer.step()
-        prev = trainer.state()
-        prev_digest = state_digest(prev)
-        reference = encode(before, prev).history
-        for _ in range(measured):
-            trainer.step()
-            cur = trainer.state()
-            cur_digest = state_digest(cur)
-            changed = sum(int((prev[n].view(torch.int16) != cur[n].view(torch.int16)).sum()) for n in cur)
-            numel = sum(t.numel() for t in cur.values())
-            steps.append(Step(lr, prev, cur, prev_digest, cur_digest, changed, numel, 2 * numel, reference, before))
-            reference = encode(prev, cur, base_digest=prev_digest, new_digest=cur_digest, reference=reference).history
-            before, prev, prev_digest = prev, cur, cur_digest
+        steps += itertools.islice(training_steps(workload, lr, hidden, layers, seed, first=warmup + 2), measured)
     return steps
+
+
+def sweep(workload: str, hidden: int, layers: int, count: int, seed: int) -> dict[str, list[dict[str, Any]]]:
+    """Bytes only, nothing timed: each sweep method on steps 1..count at each of SWEEP_LRS (warmup included,
+    no density check), for ratio against step and density."""
+    encoders = {"PULSE default (baseline)": _pulse_encode}
+    encoders |= {name: pulsesync_method(params, history)[0] for name, params, history in METHODS[:3]}
+    points: dict[str, list[dict[str, Any]]] = {name: [] for name in encoders}
+    for lr in SWEEP_LRS:
+        for s in itertools.islice(training_steps(workload, lr, hidden, layers, seed), count):
+            for name, enc in encoders.items():
+                patch, wire = enc(s)
+                split = wire()
+                points[name].append(
+                    {
+                        "step": s.step,
+                        "lr": lr,
+                        "density": s.changed / s.numel,
+                        "ratio": s.dense_bytes / len(patch),
+                        "wire_bytes_per_change": {role: size / s.changed for role, size in split.items()},
+                    }
+                )
+    return points
 
 
 def check_density(steps: list[Step], workload: str) -> None:
@@ -132,18 +175,19 @@ def _assert_bit_exact(work: State, expected: State, method: str) -> None:
             sys.exit(f"{method}: tensor {name!r} is not bit-exact after decode")
 
 
-def measure(
-    method: str,
-    steps: list[Step],
-    reps: int,
-    encode: Callable[[Step], bytes],
-    apply: Callable[[State, bytes, Step], None],
-) -> Result:
+# A method's encoder returns the patch and what gives its bytes by role (called after the timing).
+Wire = Callable[[], dict[str, int]]
+Encoder = Callable[[Step], tuple[bytes, Wire]]
+Applier = Callable[[State, bytes, Step], None]
+
+
+def measure(method: str, steps: list[Step], reps: int, encode: Encoder, apply: Applier) -> Result:
     result = Result(method)
     for s in steps:
         encode(s)  # warm caches and thread pools
-        t_enc, patch = _median_time(lambda s=s: encode(s), reps)
-        assert isinstance(patch, bytes)
+        t_enc, encoded = _median_time(lambda s=s: encode(s), reps)
+        assert isinstance(encoded, tuple)
+        patch, wire = encoded
         work = _clone(s.old)
         apply(work, patch, s)
         _assert_bit_exact(work, s.new, method)
@@ -151,17 +195,18 @@ def measure(
             lambda work, patch=patch, s=s: apply(work, patch, s), reps, setup=lambda s=s: _clone(s.old)
         )
         result.patch_bytes.append(len(patch))
+        result.wire.append(wire())
+        assert sum(result.wire[-1].values()) == len(patch), method
         result.encode_s.append(t_enc)
         result.decode_s.append(t_dec)
     return result
 
 
-def pulsesync_method(
-    params: CodecParams, history: bool = False
-) -> tuple[Callable[[Step], bytes], Callable[[State, bytes, Step], None]]:
-    def enc(s: Step) -> bytes:
+def pulsesync_method(params: CodecParams, history: bool = False) -> tuple[Encoder, Applier]:
+    def enc(s: Step) -> tuple[bytes, Wire]:
         reference = s.reference if history else None
-        return encode(s.old, s.new, params, base_digest=s.old_digest, new_digest=s.new_digest, reference=reference).data
+        e = encode(s.old, s.new, params, base_digest=s.old_digest, new_digest=s.new_digest, reference=reference)
+        return e.data, lambda: e.wire
 
     def dec(work: State, patch: bytes, s: Step) -> None:
         reference = s.reference if history else None
@@ -211,19 +256,19 @@ def entropy_bounds(steps: list[Step]) -> tuple[float, float]:
     return order0 / 8 / changes, conditional / 8 / changes
 
 
-def summarize(result: Result, steps: list[Step], baseline: Result | None) -> dict[str, float]:
+def summarize(result: Result, steps: list[Step], baseline: Result) -> dict[str, Any]:
     dense = sum(s.dense_bytes for s in steps)
     changed = sum(s.changed for s in steps)
     wire = sum(result.patch_bytes)
-    out = {
+    roles = result.wire[0].keys()
+    return {
         "bytes_per_change": wire / changed,
+        "wire_bytes_per_change": {role: sum(w[role] for w in result.wire) / changed for role in roles},
         "ratio": dense / wire,
+        "ratio_vs_baseline": dense / wire / (dense / sum(baseline.patch_bytes)),
         "encode_gbps": dense / sum(result.encode_s) / 1e9,
         "decode_gbps": dense / sum(result.decode_s) / 1e9,
     }
-    if baseline is not None:
-        out["ratio_vs_baseline"] = out["ratio"] / (dense / sum(baseline.patch_bytes))
-    return out
 
 
 def run_workload(workload: str, args: argparse.Namespace, hidden: int, measured: int, reps: int) -> dict[str, Any]:
@@ -233,18 +278,8 @@ def run_workload(workload: str, args: argparse.Namespace, hidden: int, measured:
     steps = make_steps(workload, [1e-6, 3e-6], hidden, layers, warmup=12, measured=measured, seed=args.seed)
     check_density(steps, workload)
     t_workload = time.perf_counter() - t0
-    methods = [
-        # Digests are given to the encoder (not timed): the steps' are mixsum-128, format 1's default is xxh3-128.
-        ("pulsesync v1 (format 1, delta)", CodecParams(format_version=1, digest_algorithm="mixsum-128"), False),
-        ("pulsesync v2 stateless", CodecParams(), False),
-        ("pulsesync v2 history-coded (default)", CodecParams(), True),
-    ]
-    if not args.quick:
-        methods += [
-            ("pulsesync v2 history, zstd-3", CodecParams(zstd_level=3), True),
-            ("pulsesync v2 history, 1 thread", CodecParams(threads=1), True),
-        ]
-    baseline = measure("PULSE default (baseline)", steps, reps, lambda s: pulse_encode(s.old, s.new), _pulse_apply)
+    methods = METHODS[:3] if args.quick else METHODS
+    baseline = measure("PULSE default (baseline)", steps, reps, _pulse_encode, _pulse_apply)
     results = [(baseline, summarize(baseline, steps, baseline))]
     for name, params, history in methods:
         result = measure(name, steps, reps, *pulsesync_method(params, history))
@@ -266,13 +301,31 @@ def run_workload(workload: str, args: argparse.Namespace, hidden: int, measured:
         f"entropy bounds, bytes/change: order-0 {order0:.3f} (ratio {2 / (order0 * mean_density):.0f}x), "
         f"conditional {conditional:.3f} (ratio {2 / (conditional * mean_density):.0f}x)"
     )
-    print(f"{'method':<38} {'B/change':>9} {'full ratio':>11} {'vs PULSE':>9} {'encode GB/s':>12} {'decode GB/s':>12}")
+    print(
+        f"{'method':<38} {'B/change':>9} {'positions':>9} {'values':>7} {'full ratio':>11} {'vs PULSE':>9} "
+        f"{'encode GB/s':>12} {'decode GB/s':>12}"
+    )
     for r, row in results:
+        split = row["wire_bytes_per_change"]
         print(
-            f"{r.method:<38} {row['bytes_per_change']:>9.3f} {row['ratio']:>10.1f}x {row['ratio_vs_baseline']:>8.2f}x "
-            f"{row['encode_gbps']:>12.2f} {row['decode_gbps']:>12.2f}"
+            f"{r.method:<38} {row['bytes_per_change']:>9.3f} {split['positions']:>9.3f} {split['values']:>7.3f} "
+            f"{row['ratio']:>10.1f}x {row['ratio_vs_baseline']:>8.2f}x {row['encode_gbps']:>12.2f} "
+            f"{row['decode_gbps']:>12.2f}"
         )
+    print("(PULSE's positions and values: its one zstd stream split in proportion to each compressed alone)")
+    sweep_hidden = hidden // 2 if args.quick else hidden  # quick: a quarter of the parameters, to stay < 60 s
+    points = sweep(workload, sweep_hidden, layers, args.sweep_steps, args.seed) if args.sweep_steps else {}
+    for lr in SWEEP_LRS if points else ():
+        line = ", ".join(
+            f"{name.removeprefix('pulsesync ')} {min(p['ratio'] for p in ps if p['lr'] == lr):.0f}-"
+            f"{max(p['ratio'] for p in ps if p['lr'] == lr):.0f}x"
+            for name, ps in points.items()
+        )
+        densities = [p["density"] for p in next(iter(points.values())) if p["lr"] == lr]
+        span = f"density {min(densities):.2%}..{max(densities):.2%}"
+        print(f"sweep (hidden {sweep_hidden}) lr {lr:g}, steps 1-{args.sweep_steps}, {span}: {line}")
     return {
+        "sweep": points,
         "density": mean_density,
         "entropy_bound_bytes_per_change": order0,
         "conditional_bound_bytes_per_change": conditional,
@@ -282,6 +335,11 @@ def run_workload(workload: str, args: argparse.Namespace, hidden: int, measured:
         },
         "parameters": steps[0].numel,
     }
+
+
+def _pulse_encode(s: Step) -> tuple[bytes, Wire]:
+    patch = pulse_encode(s.old, s.new)
+    return patch, lambda: pulse_wire(s.old, s.new, patch)
 
 
 def _pulse_apply(work: State, patch: bytes, s: Step) -> None:
@@ -297,12 +355,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="decoder layers (default 4)")
     parser.add_argument("--steps", type=int, help="measured steps per learning rate (default 4; quick 2)")
     parser.add_argument("--reps", type=int, help="timing repetitions per step (median; default 5, quick 3)")
+    parser.add_argument(
+        "--sweep-steps", type=int, help="steps from the first, per sweep lr, whose bytes are kept (default 24; quick 2)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="also measure the default codec on states held on this device (e.g. cuda)")
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
     measured = args.steps or (2 if args.quick else 4)
     reps = args.reps or (3 if args.quick else 5)
+    if args.sweep_steps is None:
+        args.sweep_steps = 2 if args.quick else 24
     t0 = time.perf_counter()
     sections = {w: run_workload(w, args, hidden, measured, reps) for w in WORKLOADS}
     synthetic, real = sections["synthetic"], sections["real-like"]
@@ -329,7 +392,7 @@ def main() -> None:
     if args.plots:
         import plots
 
-        plots.codec(doc, args.plots)
+        print("\n".join(str(p) for p in plots.codec(doc, args.plots)))
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
 
 

@@ -1,9 +1,10 @@
 """PNG plots of the benchmarks' JSON (matplotlib: `pip install -e '.[plots]'`).
 
-bench/codec.py and bench/scale.py call these with `--plots DIR`; this script redraws them from
-saved JSON, e.g. the figures docs/benchmarks.md shows:
+Every bench/ script calls these with `--plots DIR`; this script redraws them from saved JSON, e.g.
+the figures docs/benchmarks.md shows:
 
-    python bench/plots.py --codec codec.json --scale scale.json --out docs/images
+    python bench/plots.py --codec codec.json --scale scale.json --store store.json \
+        --publish publish.json --subscriber subscriber.json --out docs/images
 """
 
 from __future__ import annotations
@@ -18,38 +19,109 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no screen
 import matplotlib.pyplot as plt
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 _DPI = 90  # small committed PNGs
 
 
 def codec(doc: dict[str, Any], out: Path) -> list[Path]:
-    """Per workload: ratio and bytes per changed element of each method, against the entropy bound."""
+    """The codecs' ratios, where their bytes go, and their ratio against step and density."""
     out.mkdir(parents=True, exist_ok=True)
-    workloads = doc["workloads"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    return [
+        _codec_methods(doc["workloads"], out),
+        _codec_bytes(doc["workloads"], out),
+        _codec_steps(doc["workloads"], out),
+    ]
+
+
+def _method_labels(names: list[str]) -> list[str]:
+    return [textwrap.fill(n.removeprefix("pulsesync "), 16) for n in names]
+
+
+def _codec_methods(workloads: dict[str, Any], out: Path) -> Path:
+    """Ratio of each method on each workload."""
+    fig, ax = plt.subplots(figsize=(9, 4))
     names = list(next(iter(workloads.values()))["methods"])
     width = 0.8 / len(workloads)
     for i, (workload, section) in enumerate(workloads.items()):
         xs = [j + i * width for j in range(len(names))]
         label = f"{workload} (density {section['density']:.2%})"
-        axes[0].bar(xs, [section["methods"][n]["ratio"] for n in names], width, label=label)
-        axes[1].bar(xs, [section["methods"][n]["bytes_per_change"] for n in names], width, label=label)
+        bars = ax.bar(xs, [section["methods"][n]["ratio"] for n in names], width, label=label)
+        ax.bar_label(bars, fmt="%.0fx", fontsize=7)
+    ax.set_xticks([j + width * (len(workloads) - 1) / 2 for j in range(len(names))])
+    ax.set_xticklabels(_method_labels(names), fontsize=7)
+    ax.set_ylabel("dense bytes / wire bytes (higher is better)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("bench/codec.py: full ratio of each codec on each workload", fontsize=10)
+    return _save(fig, out / "codec-methods.png")
+
+
+_ROLES = {"positions": "C0", "values": "C1", "framing": "C7"}
+
+
+def _codec_bytes(workloads: dict[str, Any], out: Path) -> Path:
+    """Wire bytes per changed element, stacked: positions, values, framing; the entropy bound dotted."""
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), sharey=True, squeeze=False)
+    for ax, (workload, section) in zip(axes[0], workloads.items(), strict=True):
+        names = list(section["methods"])
+        bottom = [0.0] * len(names)
+        for role, color in _ROLES.items():
+            heights = [section["methods"][n]["wire_bytes_per_change"][role] for n in names]
+            ax.bar(range(len(names)), heights, 0.6, bottom=bottom, color=color, label=role)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        for j, total in enumerate(bottom):
+            ax.text(j, total, f"{total:.2f}", ha="center", va="bottom", fontsize=7)
         bound = section["entropy_bound_bytes_per_change"]
-        axes[1].axhline(bound, color=f"C{i}", linestyle=":", linewidth=1)
-    titles = ("dense bytes / wire bytes (higher is better)", "wire bytes per changed element")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_xticks([j + width * (len(workloads) - 1) / 2 for j in range(len(names))])
-        ax.set_xticklabels([textwrap.fill(n, 16) for n in names], fontsize=7)
-        ax.set_title(title, fontsize=10)
+        ax.axhline(bound, color="black", linestyle=":", linewidth=1, label="order-0 entropy bound")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(_method_labels(names), fontsize=7)
+        ax.set_title(f"{workload} (density {section['density']:.2%})", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[1].text(0.99, 0.97, "dotted: entropy bound", transform=axes[1].transAxes, ha="right", va="top", fontsize=8)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("bench/codec.py: codecs on each workload", fontsize=11)
+    axes[0][0].set_ylabel("wire bytes per changed element")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("bench/codec.py: where the bytes go (PULSE's split estimated: one zstd stream)", fontsize=11)
+    return _save(fig, out / "codec-bytes.png")
+
+
+def _codec_steps(workloads: dict[str, Any], out: Path) -> Path:
+    """Per workload, from the sweep: each method's ratio against the optimizer step (a line per
+    learning rate) and against the step's density."""
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.8 * len(workloads)), squeeze=False)
+    styles = ("o-", "s--", "^:", "D-.")
+    for (by_step, by_density), (workload, section) in zip(axes, workloads.items(), strict=True):
+        lrs: list[float] = []
+        for i, (name, points) in enumerate(section["sweep"].items()):
+            lrs = sorted({p["lr"] for p in points})
+            for lr, style in zip(lrs, styles, strict=False):
+                run = [p for p in points if p["lr"] == lr]
+                ratios = [p["ratio"] for p in run]
+                label = name.removeprefix("pulsesync ") if lr == lrs[0] else None
+                by_step.plot([p["step"] for p in run], ratios, style, color=f"C{i}", label=label, markersize=3)
+                by_density.plot([p["density"] * 100 for p in run], ratios, style[0], color=f"C{i}", markersize=4)
+        legend = ", ".join(f"{style} lr {lr:g}" for lr, style in zip(lrs, styles, strict=False))
+        by_step.set_title(f"{workload}: ratio per optimizer step ({legend})", fontsize=9)
+        by_density.set_title(f"{workload}: ratio against the step's density", fontsize=9)
+        by_step.set_xlabel("optimizer step (from the first; AdamW's first updates are dense)")
+        by_density.set_xlabel("changed elements (%)")
+        by_density.set_xscale("log")
+        by_density.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        by_density.xaxis.set_major_formatter(ScalarFormatter())
+        by_density.xaxis.set_minor_formatter(NullFormatter())
+        for ax in (by_step, by_density):
+            ax.set_ylabel("dense / wire bytes")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3, which="both")
+        by_step.legend(fontsize=7)
+    fig.suptitle("bench/codec.py: ratio per step and density (sweep: bytes of every step, untimed)", fontsize=11)
+    return _save(fig, out / "codec-steps.png")
+
+
+def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
-    path = out / "codec-methods.png"
     fig.savefig(path, dpi=_DPI)
     plt.close(fig)
-    return [path]
+    return path
 
 
 def scale(doc: dict[str, Any], out: Path) -> list[Path]:
@@ -80,24 +152,109 @@ def scale(doc: dict[str, Any], out: Path) -> list[Path]:
         f"memory floor {doc['memory_floor_growth']:.2f}x",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "scale-fast-path.png"
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out / "scale-fast-path.png")]
+
+
+def store(doc: dict[str, Any], out: Path) -> list[Path]:
+    """MB/s of each transfer: pulsesync's beside the plain single request, uploads and downloads."""
+    out.mkdir(parents=True, exist_ok=True)
+    groups = {
+        "upload": {"one put_object": "plain_put_mbps", "Store.upload_file\n(multipart)": "multipart_put_mbps"},
+        "download": {
+            "one get_object,\nto memory": "plain_get_mbps",
+            "one get_object, to\nfile + SHA-256": "plain_get_to_file_mbps",
+            "Store.download_file\n(parallel ranges)": "parallel_get_mbps",
+        },
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [2, 3]})
+    for ax, (title, bars) in zip(axes, groups.items(), strict=True):
+        colors = ["C7"] * (len(bars) - 1) + ["C0"]  # the plain requests grey, pulsesync's blue
+        drawn = ax.bar(list(bars), [doc[k] for k in bars.values()], 0.6, color=colors)
+        ax.bar_label(drawn, fmt="%.0f", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("MB/s (best of the repetitions)")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    size = doc["size_bytes"] >> 20
+    fig.suptitle(f"bench/store.py: one {size} MiB object through {doc['endpoint']}", fontsize=10)
+    return [_save(fig, out / "store-transfers.png")]
+
+
+def publish(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Per step: the trainer's publish() beside the host copy it is held to, and the pipeline's stages."""
+    out.mkdir(parents=True, exist_ok=True)
+    per_step = doc["per_step"]
+    fig, (latency, pipeline) = plt.subplots(1, 2, figsize=(11, 3.8))
+    steps = range(len(per_step["publish_s"]))
+    latency.plot(steps, [s * 1000 for s in per_step["host_copy_s"]], "s--", color="C7", label="host copy (baseline)")
+    latency.plot(steps, [s * 1000 for s in per_step["publish_s"]], "o-", color="C0", label="Publisher.publish()")
+    latency.set_xlabel("step")
+    latency.set_ylabel("milliseconds on the trainer's thread")
+    latency.set_ylim(bottom=0)
+    latency.legend(fontsize=8)
+    latency.set_title(f"publish / host copy: median {doc['ratio_publish_to_copy']:.2f}x (contract < 2x)", fontsize=9)
+    patches = per_step["patches"]
+    bottom = [0.0] * len(patches)
+    for i, stage in enumerate(("digest", "encode", "upload", "commit")):
+        heights = [p[stage] * 1000 for p in patches]
+        pipeline.bar([p["step"] for p in patches], heights, bottom=bottom, color=f"C{i}", label=stage)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    pipeline.set_xlabel("step (patches)")
+    pipeline.set_ylabel("milliseconds on the publisher's thread")
+    pipeline.set_ylim(top=max(bottom, default=1.0) * 1.25)  # room for the legend above the bars
+    pipeline.legend(fontsize=8, ncol=4, loc="upper center")
+    pipeline.set_title(f"pipeline per patch (ratio {doc['patch_ratio']:.0f}x)", fontsize=9)
+    for ax in (latency, pipeline):
+        ax.grid(axis="y", alpha=0.3)
+    mb = doc["dense_bytes"] / 1e6
+    fig.suptitle(f"bench/publish.py: {doc['parameters'] / 1e6:.0f}M parameters ({mb:.0f} MB bf16)", fontsize=10)
+    return [_save(fig, out / "publish-steps.png")]
+
+
+def subscriber(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Per workload and step: the fast path's seconds (with and without the download) against one full download."""
+    out.mkdir(parents=True, exist_ok=True)
+    workloads = doc["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 3.8), sharey=True, squeeze=False)
+    for ax, (workload, r) in zip(axes[0], workloads.items(), strict=True):
+        steps = range(1, r["steps"] + 1)
+        ax.axhline(r["full_download_s"], color="C7", linestyle="--", label="full checkpoint download (baseline)")
+        ax.plot(steps, r["per_step"]["fast_path_s"], "o-", color="C0", label="fast path, download included")
+        ax.plot(
+            steps, r["per_step"]["fast_path_excl_download_s"], "s:", color="C1", label="fast path, download excluded"
+        )
+        ax.set_yscale("log")
+        ax.set_xlabel("step (one patch each)")
+        ax.grid(alpha=0.3, which="both")
+        ax.set_title(
+            f"{workload}: {r['fast_path_s_per_gib']:.3f} s/GiB excl. download, "
+            f"{r['speedup_vs_full_400mbps']:.0f}x faster than a full download",
+            fontsize=9,
+        )
+    axes[0][0].set_ylabel("seconds (log)")
+    axes[0][0].legend(fontsize=8)
+    first = next(iter(workloads.values()))
+    fig.suptitle(
+        f"bench/subscriber.py: {first['state_gib']:.2f} GiB of bf16 state over a {first['mbps']:g} Mb/s link",
+        fontsize=10,
+    )
+    return [_save(fig, out / "subscriber-fast-path.png")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--codec", type=Path, metavar="JSON", help="bench/codec.py --json output")
     parser.add_argument("--scale", type=Path, metavar="JSON", help="bench/scale.py --json output")
+    parser.add_argument("--store", type=Path, metavar="JSON", help="bench/store.py --json output")
+    parser.add_argument("--publish", type=Path, metavar="JSON", help="bench/publish.py --json output")
+    parser.add_argument("--subscriber", type=Path, metavar="JSON", help="bench/subscriber.py --json output")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
     args = parser.parse_args()
+    plotters = {"codec": codec, "scale": scale, "store": store, "publish": publish, "subscriber": subscriber}
     written = []
-    if args.codec:
-        written += codec(json.loads(args.codec.read_text()), args.out)
-    if args.scale:
-        written += scale(json.loads(args.scale.read_text()), args.out)
+    for name, plot in plotters.items():
+        if path := getattr(args, name):
+            written += plot(json.loads(path.read_text()), args.out)
     print("\n".join(str(p) for p in written))
 
 

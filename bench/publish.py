@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -39,6 +40,8 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
+PIPELINE_STAGES = ("digest", "encode", "upload", "commit")  # a patch report's <stage>_s seconds
+
 
 def make_states(hidden: int, layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
     trainer = SyntheticTrainer(llm_like_shapes(hidden, layers, vocab=96 * hidden), lr=1e-6, seed=0)
@@ -51,7 +54,7 @@ def make_states(hidden: int, layers: int, steps: int) -> list[dict[str, torch.Te
     return states
 
 
-def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: int) -> dict[str, float]:
+def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: int) -> dict[str, Any]:
     states = make_states(hidden, layers, steps)
     dense = dense_bytes(states[0])
     buffers = {n: torch.empty_like(t) for n, t in states[0].items()}
@@ -83,7 +86,7 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
         for name, t in states[newest].items():
             assert torch.equal(rebuilt.state[name].view(torch.int16), t.view(torch.int16)), name
     host_copy, publish = statistics.median(copies), statistics.median(latencies)
-    pipeline = [r.digest_s + r.encode_s + r.upload_s + r.commit_s for r in patches]
+    pipeline = [sum(getattr(r, f"{stage}_s") for stage in PIPELINE_STAGES) for r in patches]
     return {
         "parameters": dense / 2,
         "dense_bytes": dense,
@@ -97,6 +100,13 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
         "patch_ratio": statistics.median(r.ratio for r in patches) if patches else 0.0,
         "committed_steps": len({r.step for r in reports}),
         "skipped_steps": skipped,
+        "per_step": {
+            "host_copy_s": copies,
+            "publish_s": latencies,
+            "patches": [
+                {"step": r.step, **{stage: getattr(r, f"{stage}_s") for stage in PIPELINE_STAGES}} for r in patches
+            ],
+        },
     }
 
 
@@ -104,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="31M parameters, 12 steps")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--hidden", type=int, help="model width (default 768; quick 512)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 2)")
     parser.add_argument("--steps", type=int, help="published steps (default 16; quick 12)")
@@ -127,6 +138,10 @@ def main() -> None:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2))
+    if args.plots:
+        import plots
+
+        print("\n".join(str(p) for p in plots.publish(r, args.plots)))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="64 MiB object, 2 repetitions")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--endpoint", metavar="URL", help="an S3 endpoint to use instead of a local server")
     parser.add_argument(
         "--server",
@@ -115,9 +116,13 @@ def main() -> None:
     for plain in ("plain_get", "plain_get_to_file"):
         better = max(results[f"{plain}_mbps"], results["parallel_get_mbps"])
         print(f"parallel_get / better of it and {plain}: {results['parallel_get_mbps'] / better:.0%}")
+    doc = {**results, "size_bytes": size, "endpoint": server, "part_size": args.part_mib << 20}
     if args.json:
-        doc = {**results, "size_bytes": size, "endpoint": server, "part_size": args.part_mib << 20}
         Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.plots:
+        import plots
+
+        print("\n".join(str(p) for p in plots.store(doc, args.plots)))
 
 
 if __name__ == "__main__":

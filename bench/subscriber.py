@@ -176,6 +176,7 @@ async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, tor
         "full_download_s": full_s,
         # Named for the contract's link speed; with --mbps it is the speedup at that speed.
         "speedup_vs_full_400mbps": full_s / fast_s,
+        "per_step": {"fast_path_s": fast, "fast_path_excl_download_s": fast_excl, "patch_bytes": patch_bytes},
     }
 
 
@@ -183,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="0.15 GiB of state (8 steps, as the full run)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--hidden", type=int, help="model width (default 1536; quick 768)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
     parser.add_argument("--steps", type=int, help="fast-path steps measured (default 8)")
@@ -224,6 +226,10 @@ def main() -> None:
         out["real_like_fast_path_s_per_gib"] = results["real-like"]["fast_path_s_per_gib"]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+    if args.plots:
+        import plots
+
+        print("\n".join(str(p) for p in plots.subscriber(out, args.plots)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pulsesync.codec import (
     fused,
     read_header,
 )
-from pulsesync.codec.baseline import pulse_encode
+from pulsesync.codec.baseline import pulse_encode, pulse_wire
 from pulsesync.codec.format import RECORD_FIXED_V2, PositionCoding, parse_header
 from pulsesync.errors import MissingReferenceError, PulseSyncError
 from pulsesync.protocol import layout
@@ -243,6 +243,30 @@ def test_history_coding_beats_stateless_on_the_real_like_workload() -> None:
     history = encode(states[2], states[3], reference=reference).data
     assert len(history) < 0.8 * len(stateless)
     assert len(stateless) < len(pulse_encode(states[2], states[3]))
+
+
+def test_the_wire_breakdown_adds_up_and_separates_positions_from_values() -> None:
+    """Positions, values and framing sum to the patch; the same positions cost the same bytes whatever the values."""
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(65536, generator=gen).to(torch.bfloat16).view(torch.int16)
+    changed = (torch.rand(65536, generator=gen) < 0.01).to(torch.int16)
+    flips = torch.randint(1, 2**15, (65536,), dtype=torch.int16, generator=gen) * changed  # nonzero where changed
+    one_ulp, noisy = encode({"t": old}, {"t": old + changed}), encode({"t": old}, {"t": old ^ flips})
+    assert one_ulp.wire["positions"] == noisy.wire["positions"] > 0
+    assert 10 * one_ulp.wire["values"] < noisy.wire["values"]
+    dense = encode({"t": old}, {"t": old + 1})  # every element: a DENSE record, no positions
+    whole = encode({"t": old}, {"u": old})  # REMOVE and ADD records
+    assert dense.wire["positions"] == whole.wire["positions"] == 0 < whole.wire["values"]
+    states = _real_like_states(3)
+    first = encode(states[0], states[1])
+    second = encode(states[1], states[2], reference=first.history)  # HISTORY records: bitmap + gaps
+    for encoded in (one_ulp, noisy, dense, whole, first, second):
+        assert sorted(encoded.wire) == ["framing", "positions", "values"]
+        assert sum(encoded.wire.values()) == len(encoded.data)
+        assert encoded.wire["framing"] > 0
+    pulse = pulse_encode(states[1], states[2])  # the baseline's estimate splits its bytes the same three ways
+    pulse_split = pulse_wire(states[1], states[2], pulse)
+    assert sum(pulse_split.values()) == len(pulse) and min(pulse_split.values()) > 0
 
 
 # --- end to end: publisher, store, subscribers -----------------------------------------------------

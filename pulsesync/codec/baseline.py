@@ -17,6 +17,25 @@ State = dict[str, torch.Tensor]
 
 def pulse_encode(old: State, new: State) -> bytes:
     """Per tensor: sorted changed positions, delta-encoded, narrowest uint; raw new values; zstd-1."""
+    return _zstd1(b"".join(part for _, part in _pulse_parts(old, new)))
+
+
+def pulse_wire(old: State, new: State, patch: bytes) -> dict[str, int]:
+    """The patch's bytes by role ("positions", "values", "framing": the per-tensor headers), estimated:
+    PULSE compresses them as one stream, so it is split in proportion to each role compressed alone."""
+    parts = _pulse_parts(old, new)
+    alone = {role: len(_zstd1(b"".join(p for r, p in parts if r == role))) for role in ("positions", "values")}
+    total = sum(alone.values()) + sum(len(p) for r, p in parts if r == "framing")
+    wire = {role: len(patch) * size // total for role, size in alone.items()}
+    return {**wire, "framing": len(patch) - sum(wire.values())}
+
+
+def _zstd1(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=1, threads=-1).compress(data)
+
+
+def _pulse_parts(old: State, new: State) -> list[tuple[str, bytes]]:
+    """The uncompressed stream in order, each piece with its role."""
     parts = []
     for name in sorted(new):
         a = old[name].reshape(-1).view(torch.int16).numpy()
@@ -27,12 +46,11 @@ def pulse_encode(old: State, new: State) -> bytes:
         gaps = np.diff(pos, prepend=0)  # first index as is, then differences
         index_dtype = next(d for d in (np.uint8, np.uint16, np.uint32, np.uint64) if gaps.max() <= np.iinfo(d).max)
         encoded = name.encode()
-        parts.append(
-            struct.pack("<H", len(encoded)) + encoded + struct.pack("<QB", pos.size, np.dtype(index_dtype).itemsize)
-        )
-        parts.append(gaps.astype(index_dtype).tobytes())
-        parts.append(b[pos].tobytes())  # new values, not deltas
-    return zstandard.ZstdCompressor(level=1, threads=-1).compress(b"".join(parts))
+        head = struct.pack("<H", len(encoded)) + encoded + struct.pack("<QB", pos.size, np.dtype(index_dtype).itemsize)
+        parts.append(("framing", head))
+        parts.append(("positions", gaps.astype(index_dtype).tobytes()))
+        parts.append(("values", b[pos].tobytes()))  # new values, not deltas
+    return parts
 
 
 def pulse_apply(state: State, patch: bytes) -> None:
