@@ -458,7 +458,7 @@ def main() -> None:
     if args.plots:
         import plots
 
-        plots.scale(result, args.plots)
+        print("\n".join(str(p) for p in plots.scale(result, args.plots)))
     # The contracts CI holds (no timings: those are for reading, on a quiet machine).
     broken = [r["parameters"] for r in sizes if not r["bit_exact"]]
     if broken or result["cache_bytes_per_patch_byte"] > 2.0 or result["requests_per_step"] > 3.0:

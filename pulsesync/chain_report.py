@@ -17,6 +17,7 @@ from pulsesync.inspect_chain import ChainRow, RetiredRow
 _WIDTH, _PLOT_TOP, _PLOT_HEIGHT, _LEFT = 1100, 30, 200, 70
 _STATUS_COLOUR = {True: "#2b8a3e", None: "#5c7cfa", False: "#c92a2a"}  # verified, unchecked, failed
 _STATUS_TEXT = {True: "verified", None: "not checked (no trusted key)", False: "FAILED verification"}
+_LEGEND = {True: "verified", None: "not checked", False: "failed"}
 
 
 def _verdict(row: ChainRow) -> bool | None:
@@ -184,8 +185,8 @@ def render(rows: list[ChainRow], retired: list[RetiredRow], store_url: str, now:
 <div class="sub">{escape(store_url)} &middot; generated {now:%Y-%m-%d %H:%M:%S}Z by pulsesync inspect --html</div>
 <div class="summary">{"".join(f"<span>{escape(s)}</span>" for s in summary)}</div>
 <div class="legend">
-<span><i style="background:#2b8a3e"></i>verified</span><span><i style="background:#5c7cfa"></i>not checked</span>
-<span><i style="background:#c92a2a"></i>failed</span><span><i style="background:#f08c00"></i>tombstoned</span>
+{"".join(f'<span><i style="background:{_STATUS_COLOUR[v]}"></i>{t}</span>' for v, t in _LEGEND.items())}
+<span><i style="background:#f08c00"></i>tombstoned</span>
 <span><i style="background:#adb5bd"></i>no marker (pruned)</span>
 <span><i style="background:#1c7ed6"></i>chain from an anchor</span>
 <span>bar height: wire bytes (log scale); A: anchor</span>

@@ -16,13 +16,12 @@ from pulsesync.errors import PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import (
-    MAX_MANIFEST_BYTES,
     AnchorManifest,
     PatchManifest,
     parse_manifest,
     verify_manifest,
 )
-from pulsesync.retention.plan import Tombstone
+from pulsesync.retention.worker import read_tombstone
 from pulsesync.store import Store
 
 
@@ -115,14 +114,10 @@ async def retired_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | N
         entry = layout.parse_ready_key(info.key, layout.TOMBSTONE_PREFIX)
         if entry is None:
             continue
-        name = f"{store.url}{info.key}"
         try:
-            marker, removed_at = Tombstone.parse(await store.get(info.key, max_size=2 * MAX_MANIFEST_BYTES))
-            manifest = verify_manifest(marker, trusted, name=name) if trusted else parse_manifest(marker, name)
-            if (manifest.step, manifest.kind) != (entry.step, entry.kind):
-                raise ValueError(f"it holds the {manifest.kind} manifest of step {manifest.step}")
-            size = sum(ref.size for ref in manifest.objects)
-            rows.append(RetiredRow(entry.step, entry.kind, removed_at, size, True if trusted else None))
+            stone = await read_tombstone(store, info.key, trusted or None)
+            size = sum(size for _, size in stone.objects)
+            rows.append(RetiredRow(entry.step, entry.kind, stone.removed_at, size, True if trusted else None))
         except (PulseSyncError, ValueError) as e:
             epoch = dt.datetime.fromtimestamp(0, dt.timezone.utc)
             rows.append(RetiredRow(entry.step, entry.kind, epoch, 0, False, f"{type(e).__name__}: {e}"))

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulsesync.chain_report import chains, render
 from pulsesync.cli import main
 from pulsesync.inspect_chain import ChainRow, RetiredRow, chain_rows, retired_rows
-from pulsesync.protocol import signing
+from pulsesync.protocol import layout, signing
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
@@ -58,6 +58,29 @@ def test_untrusted_strings_are_escaped() -> None:
     retired = [RetiredRow(1, "patch", dt.datetime.now(dt.timezone.utc), 0, False, evil)]
     page = render(rows, retired, f"s3://bucket/{evil}/")
     assert "<script" not in page and "&lt;script&gt;" in page
+
+
+FORGED_TOMBSTONES = {  # bodies a hostile store may hold under tombstone keys
+    3: b'{"marker": "{}"}',  # no removed_at
+    4: b'{"marker": "{}", "removed_at": ["2000-01-01"]}',  # not a string
+    5: b"[" * 100_000 + b"]" * 100_000,  # nesting deeper than the JSON parser recurses
+    6: b"\xff\xfe not json",
+}
+
+
+def test_forged_tombstones_are_reported_not_a_crash(tmp_path: Path) -> None:
+    """`inspect --html` on a store holding forged tombstones: each one a row with its error, exit 0."""
+    _, public, _ = signing.write_keypair(tmp_path / "keys")
+    store = FileStore(tmp_path / "store")
+    for step, body in FORGED_TOMBSTONES.items():
+        asyncio.run(store.put(layout.tombstone_key(step, "patch"), body))
+    retired = asyncio.run(retired_rows(store, signing.trusted_keys([public])))
+    assert [(t.step, t.verified) for t in retired] == [(step, False) for step in FORGED_TOMBSTONES]
+    assert all(t.error for t in retired)
+    page = tmp_path / "chain.html"
+    store_url = (tmp_path / "store").as_uri()
+    assert main(["inspect", "--store", store_url, "--trusted-key", str(public), "--html", str(page)]) == 0
+    assert page.read_text().count('<tr class="retired"') == len(FORGED_TOMBSTONES)
 
 
 async def _pruned_store(root: Path, key: Ed25519PrivateKey) -> None:

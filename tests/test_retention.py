@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pulsesync.errors import StoreError
@@ -249,3 +249,24 @@ async def test_retention_runs_inside_the_publisher(tmp_path: Path) -> None:
     await asyncio.sleep(0.3)  # a few retention runs
     await pub.close()
     assert await ready_steps(FileStore(tmp_path / "store")) == {10: {"patch", "anchor"}, 11: {"patch"}}
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["marker", "removed_at", "x"]), inner),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@example(body=b'{"marker": "{}"}')  # no removed_at: a KeyError before
+@example(body=b"[" * 100_000)  # a RecursionError before
+@given(body=st.binary(max_size=200) | _JSON.map(lambda v: json.dumps(v).encode()))
+def test_a_tombstone_body_parses_or_raises_value_error(body: bytes) -> None:
+    """Tombstone.parse on any bytes: the signed marker and an aware time, or ValueError, never another exception."""
+    from pulsesync.retention import Tombstone
+
+    try:
+        marker, removed_at = Tombstone.parse(body)
+    except ValueError:
+        return
+    assert isinstance(marker, bytes) and removed_at.tzinfo is not None

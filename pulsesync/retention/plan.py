@@ -70,11 +70,16 @@ class Tombstone:
 
     @staticmethod
     def parse(data: bytes) -> tuple[bytes, dt.datetime]:
-        """The signed marker and removal time of a tombstone's JSON (ValueError if malformed)."""
-        raw = json.loads(data)
+        """The signed marker and removal time of a tombstone's JSON; ValueError for any other bytes."""
+        try:
+            raw = json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested deeper than the parser recurses") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("marker"), str):
             raise ValueError("no signed marker in it (written by an older pulsesync, or forged)")
-        removed_at = dt.datetime.fromisoformat(str(raw["removed_at"]))
+        if not isinstance(raw.get("removed_at"), str):
+            raise ValueError("no removed_at time in it")
+        removed_at = dt.datetime.fromisoformat(raw["removed_at"])
         if removed_at.tzinfo is None:
             raise ValueError(f"removed_at {raw['removed_at']!r} has no time zone")
         return raw["marker"].encode("utf-8"), removed_at

@@ -24,7 +24,7 @@ from pulsesync import metrics
 from pulsesync.errors import ConfigError, IntegrityError, NotFoundError, PulseSyncError, StoreError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
-from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, PatchManifest, verify_manifest
+from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, PatchManifest, parse_manifest, verify_manifest
 from pulsesync.retention.plan import Entry, Plan, Published, StoreListing, Tombstone, plan
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import ObjectInfo, Store
@@ -83,10 +83,11 @@ class RetentionWorker:
         tombstones: dict[str, Tombstone] = {}
         async for info in self.store.list(layout.TOMBSTONE_PREFIX):
             try:
-                tombstones[info.key] = self._tombstones.get(info.key) or await self._tombstone(info.key)
+                stone = self._tombstones.get(info.key) or await read_tombstone(self.store, info.key, self.chain.trusted)
+                tombstones[info.key] = stone
             except NotFoundError:
                 continue
-            except (PulseSyncError, ValueError, KeyError, TypeError, RecursionError) as e:
+            except (PulseSyncError, ValueError) as e:
                 self._skip(info.key, f"tombstone not trusted: {type(e).__name__}: {e}")
         self._tombstones = tombstones
         payloads: list[ObjectInfo] = []
@@ -98,18 +99,6 @@ class RetentionWorker:
                     self._skip(info.key, str(e))
         now = dt.datetime.now(dt.timezone.utc)
         return StoreListing(dict(self._manifests), list(tombstones.values()), payloads, now)
-
-    async def _tombstone(self, key: str) -> Tombstone:
-        """A tombstone, authenticated by the signed marker it carries (which must be the one its key names)."""
-        entry = layout.parse_ready_key(key, layout.TOMBSTONE_PREFIX)
-        if entry is None:
-            raise ValueError("not a tombstone key")
-        marker, removed_at = Tombstone.parse(await self.store.get(key, max_size=2 * MAX_MANIFEST_BYTES))
-        manifest = verify_manifest(marker, self.chain.trusted, name=f"{self.store.url}{key}")
-        if (manifest.step, manifest.kind) != (entry.step, entry.kind):
-            raise IntegrityError(f"it holds the {manifest.kind} manifest of step {manifest.step}")
-        objects = tuple((ref.key, ref.size) for ref in manifest.objects)
-        return Tombstone(entry.step, entry.kind, objects, removed_at)
 
     async def _marker(self, published: Published) -> bytes | None:
         """The signed marker retention verified for an entry, read again for its tombstone; None if gone or changed."""
@@ -167,6 +156,23 @@ class RetentionWorker:
                 log.error("retention run failed: %s: %s", type(e).__name__, e)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.policy.interval_seconds)
+
+
+async def read_tombstone(store: Store, key: str, trusted: Mapping[str, Ed25519PublicKey] | None) -> Tombstone:
+    """A tombstone, authenticated by the signed marker it carries, which must be the one its key names.
+
+    Any bytes in the store raise ValueError or a PulseSyncError, never anything else. With
+    `trusted` None the marker is parsed, not verified: for display only (`inspect` without keys).
+    """
+    entry = layout.parse_ready_key(key, layout.TOMBSTONE_PREFIX)
+    if entry is None:
+        raise ValueError("not a tombstone key")
+    name = f"{store.url}{key}"
+    marker, removed_at = Tombstone.parse(await store.get(key, max_size=2 * MAX_MANIFEST_BYTES))
+    manifest = parse_manifest(marker, name) if trusted is None else verify_manifest(marker, trusted, name=name)
+    if (manifest.step, manifest.kind) != (entry.step, entry.kind):
+        raise IntegrityError(f"{name}: it holds the {manifest.kind} manifest of step {manifest.step}")
+    return Tombstone(entry.step, entry.kind, tuple((ref.key, ref.size) for ref in manifest.objects), removed_at)
 
 
 def _count_deleted(kind: str, objects: int, size: int) -> None:
