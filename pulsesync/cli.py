@@ -97,6 +97,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             "signing_key": args.signing_key,
             "anchor_interval": args.anchor_interval,
             "metrics_port": args.metrics_port,
+            "take_over_prefix": args.take_over_prefix or None,
         },
     )
     logging.getLogger("pulsesync.publisher").setLevel(logging.INFO)  # one line per published step
@@ -126,7 +127,12 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
     from pulsesync.subscriber import Subscriber
 
     config = _subscriber_config(
-        args, cache_dir=args.cache_dir, out_dir=args.out_dir, step=args.step, metrics_port=args.metrics_port
+        args,
+        cache_dir=args.cache_dir,
+        out_dir=args.out_dir,
+        step=args.step,
+        metrics_port=args.metrics_port,
+        reset_stream=args.reset_stream or None,
     )
     logging.getLogger("pulsesync.subscriber").setLevel(logging.INFO)  # one line per served step
 
@@ -317,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--max-steps", type=int, metavar="N", help="--synthetic: stop after N steps (default: never)")
     publish.add_argument("--once", action="store_true", help="with --watch: publish the checkpoints there now, exit")
     publish.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on PORT")
+    publish.add_argument(
+        "--take-over-prefix",
+        action="store_true",
+        help="publish into a prefix that holds another stream's markers (another key or job): a new stream starts",
+    )
     publish.set_defaults(run=_cmd_publish)
 
     trusted_flag = argparse.ArgumentParser(add_help=False)
@@ -331,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     subscribe.add_argument("--once", action="store_true", help="sync once, print one JSON line, exit")
     subscribe.add_argument("--step", type=int, metavar="N", help="sync to step N instead of the newest")
     subscribe.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /metrics and /healthz on PORT")
+    subscribe.add_argument(
+        "--reset-stream",
+        action="store_true",
+        help="follow the store's newest publishing stream, not the one --cache-dir learned (a deliberate switch)",
+    )
     subscribe.set_defaults(run=_cmd_subscribe)
 
     retain = commands.add_parser(

@@ -76,6 +76,9 @@ SCRUBBED_BYTES = Counter("pulsesync_scrubbed_bytes_total", "Bytes of held state 
 
 # --- store ---------------------------------------------------------------------------------------
 STORE_RETRIES = Counter("pulsesync_store_retries_total", "Store calls retried after a transient error", ["op"])
+STORE_DELETES_REFUSED = Counter(
+    "pulsesync_store_deletes_refused_total", "Keys a file store would not delete: their folder leads outside its root"
+)
 
 
 async def serve_with_health(port: int, health: Callable[[], tuple[bool, dict[str, Any]]]) -> web.AppRunner:

@@ -20,7 +20,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.cli import main
 from pulsesync.config import Config, load_config
-from pulsesync.errors import ConfigError, CorruptPatchError, ManifestError, PulseSyncError, StoreError
+from pulsesync.errors import (
+    ConfigError,
+    CorruptPatchError,
+    ForeignStreamError,
+    ManifestError,
+    PulseSyncError,
+    StoreError,
+)
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import verify_manifest
 from pulsesync.publisher import AsyncPublisher
@@ -260,17 +267,22 @@ async def test_a_signed_anchor_copied_from_another_run_is_never_served(tmp_path:
 
 
 # --- item 1: the state cache --------------------------------------------------------------------------
-async def test_a_state_cache_from_another_run_or_rewritten_is_discarded(
+async def test_a_state_cache_keeps_its_own_stream_and_a_rewritten_one_is_discarded(
     store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher, tmp_path: Path
 ) -> None:
-    """Item 1: a cache another run wrote, or one rewritten with a self-consistent digest, was served at start."""
+    """Item 1: a cache rewritten with a self-consistent digest was served at start.
+
+    A cache of another run (its signed marker names that run's stream) keeps its stream (issue 28
+    item 2: the pin a subscriber learned wins over the store's newest marker); `reset_stream`
+    switches to the store's stream and discards it.
+    """
     import shutil
 
     from pulsesync import state_cache
     from pulsesync.digest import state_digest
     from pulsesync.store import FileStore
     from pulsesync.verified import VerifiedState
-    from tests.support.helpers import trainer_states
+    from tests.support.helpers import assert_states_equal, trainer_states
 
     other = FileStore(tmp_path / "other-run")
     pub = AsyncPublisher(publisher.config, store=other, signing_key=key)
@@ -284,9 +296,17 @@ async def test_a_state_cache_from_another_run_or_rewritten_is_discarded(
     shutil.copytree(tmp_path / "foreign-cache", tmp_path / "cache")
     restarted = subscriber(store, key, cache_dir=tmp_path / "cache")
     await restarted.start()
-    assert restarted.state is None  # its signed marker is another stream's, and the store's step 8 differs
-    assert (await restarted.sync()).path == "slow"
-    assert_serving(restarted, 8)
+    assert restarted.status.stream_id == foreign.status.stream_id and restarted.state is not None
+    assert_states_equal(restarted.state, trainer_states(9, seed=1)[8])
+    with pytest.raises(ForeignStreamError):  # every marker in the store is another stream's: none to follow
+        await restarted.sync()
+    assert restarted.step == 8 and restarted.status.rejected_markers >= 1
+    assert_states_equal(restarted.state, trainer_states(9, seed=1)[8])  # still serving its verified state
+    switched = subscriber(store, key, cache_dir=tmp_path / "cache", reset_stream=True)
+    await switched.start()
+    assert switched.state is None  # its signed marker is another stream's than the store's newest
+    assert (await switched.sync()).path == "slow"
+    assert_serving(switched, 8)
     # Rewritten: other tensors with a digest that matches them, and no marker copy.
     forged = dict(trainer_states(9, seed=1)[8])
     state_cache.save(tmp_path / "cache", VerifiedState(8, forged, state_digest(forged), {}))
@@ -368,8 +388,7 @@ async def test_a_marker_that_is_a_symlink_to_dev_zero_or_a_fifo_is_no_object(
             await asyncio.wait_for(store.get(key_, max_size=1 << 20), 10)
     with pytest.raises(StoreError, match="outside the store root"):
         await store.get("patches/secret")
-    with pytest.raises(StoreError, match="outside the store root"):
-        await store.delete_many(["patches/secret"])
+    await store.delete_many(["patches/secret"])  # left alone and counted (issue 28 item 5)
     assert (tmp_path / "outside" / "secret").exists()
 
 
@@ -687,6 +706,25 @@ async def test_retention_never_deletes_through_a_symlinked_step_folder(tmp_path:
     await worker.run_once()
     await worker.run_once()
     assert (tmp_path / "outside" / "victim.bin").read_bytes() == b"precious"
-    with pytest.raises(StoreError, match="outside the store root"):
-        await store.delete_many(["anchors/000000000003/victim.bin"])
+
+
+async def test_a_symlinked_key_in_a_delete_batch_is_skipped_alone_and_counted(tmp_path: Path) -> None:
+    """Issue 28 item 5: one key under a symlinked folder failed the whole delete_many batch."""
+    import os
+
+    from prometheus_client import REGISTRY
+
+    from pulsesync.store import FileStore
+
+    store = FileStore(tmp_path / "s")
+    for key in ("patches/a.bin", "patches/b.bin", "keep/c.bin"):
+        await store.put(key, b"x")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "victim.bin").write_bytes(b"precious")
+    os.symlink(tmp_path / "outside", tmp_path / "s" / "linked")
+    refused = REGISTRY.get_sample_value("pulsesync_store_deletes_refused_total") or 0.0
+    await store.delete_many(["patches/a.bin", "linked/victim.bin", "patches/b.bin"])
+    assert [i.key async for i in store.list()] == ["keep/c.bin"]
+    assert (tmp_path / "outside" / "victim.bin").read_bytes() == b"precious"
+    assert REGISTRY.get_sample_value("pulsesync_store_deletes_refused_total") == refused + 1
     assert (tmp_path / "outside" / "victim.bin").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pulsesync.cli import main
 from pulsesync.errors import ConfigError
@@ -23,18 +23,11 @@ from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
 from pulsesync.publisher.config import PublisherConfig, WatchConfig
 from pulsesync.publisher.sources import watch
 from pulsesync.store import FileStore
-from tests.support.helpers import assert_states_equal
+from tests.support.helpers import assert_states_equal, write_checkpoint
 from tests.support.servers import free_port
 
 ROOT = Path(__file__).parent.parent
 transformers = pytest.importorskip("transformers")
-
-
-def write_checkpoint(path: Path, state: dict[str, torch.Tensor], files: dict[str, str] | None = None) -> None:
-    path.mkdir(parents=True)
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    for name, text in (files or {}).items():
-        (path / name).write_text(text)
 
 
 def small_state(seed: int) -> dict[str, torch.Tensor]:

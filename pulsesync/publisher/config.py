@@ -65,6 +65,11 @@ class PublisherConfig(Config):
     max_pending: int = Field(1, ge=1, description="snapshots queued behind the one being published")
     resume: bool = Field(False, description="rebuild the baseline from the store at start instead of anchoring")
     cache_dir: Path | None = Field(None, description="keeps the last committed state for a fast restart")
+    take_over_prefix: bool = Field(
+        False,
+        description="publish into a prefix that holds another stream's markers (another key or job) instead of "
+        "refusing it: a new stream starts with an anchor, after the newest marker there (logged)",
+    )
     spool_dir: Path | None = Field(None, description="where anchor shards are written before upload (default: tmp)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics on this port")
     watch: WatchConfig = Field(default_factory=WatchConfig)

@@ -34,9 +34,6 @@ from pulsesync.dtypes import State, dense_bytes
 from pulsesync.errors import (
     ConfigError,
     ConflictError,
-    ForeignStreamError,
-    IntegrityError,
-    NotFoundError,
     PulseSyncError,
 )
 from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
@@ -46,6 +43,7 @@ from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
 from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.host_copy import HostCopy, HostCopyPool
+from pulsesync.publisher.ownership import OtherStream, classify
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.resume import resume_baseline
 from pulsesync.publisher.schedule import AnchorSchedule
@@ -117,8 +115,7 @@ class AsyncPublisher:
             return
         self._cond = asyncio.Condition()
         await self._scan_ready()
-        # Only markers our key verifies count: a forged far-future marker must not stop publishing.
-        newest = await self._chain.newest_verified()
+        newest = await self._newest_own()
         ready = {s: k for s, k in (await self._chain.ready()).items() if newest is not None and s <= newest}
         if newest is not None:
             found = self._chain.verified_marker(newest)
@@ -441,24 +438,48 @@ class AsyncPublisher:
         self._own = {k for k in self._own if k > seen}  # only markers not listed yet matter
         return found
 
+    async def _newest_own(self) -> int | None:
+        """The newest listed step whose marker is ours; ConflictError at a newer one of another stream.
+
+        Junk markers are skipped (a forged far-future key must not stop publishing). With
+        take_over_prefix, another stream's marker ends the search instead: this publisher starts a
+        new stream, with steps newer than that marker's.
+        """
+        for step in sorted(self._chain.listed, reverse=True):
+            for kind in sorted(self._chain.listed.get(step, ())):
+                found = await classify(self._chain, step, kind)
+                if isinstance(found, OtherStream):
+                    if not self.config.take_over_prefix:
+                        raise found.conflict(step)
+                    log.warning(
+                        "taking over %s: it holds %s (key %s, stream %s); a new stream %s starts with an anchor after "
+                        "step %d",
+                        self.store.url,
+                        found.key,
+                        found.key_id,
+                        found.stream_id or "-",
+                        self.stream_id,
+                        step,
+                    )
+                    self._last_step = step
+                    return None
+                if found is not None:
+                    return step
+        return None
+
     async def _check_prefix(self, step: int) -> None:
-        """ConflictError if another publisher (with our key) committed to the prefix since our last look."""
+        """ConflictError if another publisher (another stream, or ours) committed to the prefix since our last look."""
         foreign = await self._scan_ready()
         for other, kinds in sorted(foreign.items()):
             for kind in sorted(kinds):
-                try:
-                    await self._chain.manifest(other, kind)
-                except NotFoundError:
-                    continue
-                except ForeignStreamError:  # signed with our key by another run: a second publisher
-                    pass
-                except IntegrityError as e:  # forged, malformed or replayed: no publisher wrote it
-                    self._chain.reject(other, kind, e)
-                    continue
-                raise ConflictError(
-                    f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the "
-                    "chain does not fork"
-                )
+                found = await classify(self._chain, other, kind)
+                if isinstance(found, OtherStream):
+                    raise found.conflict(step)
+                if found is not None:  # signed by our key for our stream: a copy of this job
+                    raise ConflictError(
+                        f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the "
+                        "chain does not fork"
+                    )
 
 
 class Publisher:

@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import datetime as dt
 import errno
+import logging
 import os
 import stat
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO, ParamSpec, TypeVar
 
+from pulsesync import metrics
 from pulsesync.atomic_files import TEMP_MARK, write_file
 from pulsesync.errors import ConflictError, NotFoundError, StoreError
 from pulsesync.store.base import (
@@ -30,6 +32,7 @@ from pulsesync.store.base import (
 from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import translate_error
 
+log = logging.getLogger("pulsesync.store")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -162,8 +165,19 @@ class FileStore(Store):
         await self._io("put_if_absent", key, write)
 
     async def delete_many(self, keys: Iterable[str]) -> None:
-        """Unlink each key (missing ones are fine) and prune directories left empty."""
-        paths = [self._path(k) for k in keys]
+        """Unlink each key (missing ones are fine) and prune directories left empty.
+
+        A key whose folder resolves outside the root (a symlink) is left alone, logged and counted;
+        the rest of the batch is still deleted.
+        """
+        keys = list(keys)
+        paths = []
+        for key in keys:
+            try:
+                paths.append(self._path(key))
+            except StoreError as e:
+                metrics.STORE_DELETES_REFUSED.inc()
+                log.warning("delete: %s; left alone", e)
 
         def delete() -> None:
             parents = set()

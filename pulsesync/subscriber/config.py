@@ -35,6 +35,12 @@ class SubscriberConfig(Config):
         description="accept only manifests of this publishing stream; default: the stream of the first verified "
         "state, kept across restarts in cache_dir",
     )
+    reset_stream: bool = Field(
+        False,
+        description="at start, follow the store's newest publishing stream instead of the one cache_dir learned "
+        "(a cache of another stream is then discarded); for a deliberate switch to a new run, not for a daemon's "
+        "standing config",
+    )
     sync_deadline_seconds: float = Field(
         1800.0, gt=0, description="a sync running longer is cut off (DeadlineError); /healthz reports one that is not"
     )

@@ -223,26 +223,41 @@ class Subscriber:
     async def _authentic(self, cached: state_cache.CachedState) -> bool:
         """Whether a signed manifest vouches for the cached state: the store's for its step, else the cached copy.
 
-        Where the store answers, its stream (the newest verified marker's) must be the cache's too,
-        so a cache another run wrote is discarded even when that run signed with the same key.
+        The stream is pinned first: by the config, else by the cache's own signed marker (the stream
+        this subscriber learned), so markers another run copied into the prefix are foreign and
+        skipped. Only a cache without a marker, or `reset_stream`, takes the store's newest stream,
+        and a cache of another stream is then discarded.
         """
         where = f"the state cache in {self.config.cache_dir}"
         try:
+            own = None
+            if cached.marker is not None:
+                own = verify_manifest(cached.marker, self.chain.trusted, name=f"{where}: its ready marker")
+                if not self.config.reset_stream:
+                    self._learn_stream(own.stream_id)
             store_stream = None
             try:
-                newest = await self.chain.newest_verified()
+                newest = await self.chain.newest_verified()  # with the pin set, another stream's markers are skipped
                 kinds = (await self.chain.ready()).get(cached.step, set())
                 if newest is not None:
                     store_stream = self.chain.verified_marker(newest)[1].stream_id  # type: ignore[index]
             except StoreError as e:  # unreachable for now: the cached copy of the marker decides
                 log.warning("checking %s against the store's markers: %s", where, e)
                 kinds = set()
+            manifest = None
             if kinds:
-                manifest = await self.chain.manifest(cached.step, sorted(kinds)[0])
-            elif cached.marker is not None:
-                manifest = verify_manifest(cached.marker, self.chain.trusted, name=f"{where}: its ready marker")
-            else:
-                raise NotFoundError(f"step {cached.step} has no ready marker in {self.store.url} and none was cached")
+                try:
+                    manifest = await self.chain.manifest(cached.step, sorted(kinds)[0])
+                except IntegrityError as e:  # e.g. rewritten by another stream: the cached copy still vouches
+                    if own is None:
+                        raise
+                    log.warning("%s: the store's marker of step %d does not verify (%s)", where, cached.step, e)
+            if manifest is None:
+                if own is None:
+                    raise NotFoundError(
+                        f"step {cached.step} has no ready marker in {self.store.url} and none was cached"
+                    )
+                manifest = own
             if manifest.step != cached.step or manifest.state_digest.root != cached.digest.root:
                 raise IntegrityError(
                     f"its marker is step {manifest.step} with state digest {manifest.state_digest.root}, the cache "

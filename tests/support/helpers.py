@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import numpy as np
 import torch
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from pulsesync.dtypes import DTYPES, NP_INT_OF_WIDTH, DTypeInfo
 from pulsesync.publisher.config import PublisherConfig
@@ -151,3 +153,11 @@ def copying_loader(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torc
 def flip_byte(data: bytes) -> bytes:
     """The bytes with one bit of byte 100 flipped."""
     return data[:100] + bytes([data[100] ^ 0x20]) + data[101:]
+
+
+def write_checkpoint(path: Path, state: dict[str, torch.Tensor], files: dict[str, str] | None = None) -> None:
+    """A trainer's checkpoint directory: model.safetensors and the given text files."""
+    path.mkdir(parents=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for name, text in (files or {}).items():
+        (path / name).write_text(text)
