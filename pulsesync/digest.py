@@ -154,6 +154,35 @@ def update_digest(
     return StateDigest(algorithm=base.algorithm, root=root_digest(tensors, base.algorithm), tensors=tensors)
 
 
+def moved_digest(base: StateDigest, changes: Iterable[tuple[str, tuple[int, int]]]) -> StateDigest:
+    """A mixsum-128 digest moved by lane changes of its tensors (no state needed: a sharded commit's
+    coordinator composes every rank's part this way, docs/protocol.md)."""
+    lanes = {name: mixsum.from_hex(d.digest) for name, d in base.tensors.items()}
+    for name, moved in changes:
+        if name not in lanes:
+            raise ValueError(f"tensor {name!r} is not in the state the changes apply to")
+        lanes[name] = mixsum.add(lanes[name], moved)
+    tensors = {n: d.model_copy(update={"digest": mixsum.to_hex(lanes[n])}) for n, d in base.tensors.items()}
+    return StateDigest(algorithm=base.algorithm, root=root_digest(tensors, base.algorithm), tensors=tensors)
+
+
+def summed_digest(
+    algorithm: DigestAlgorithm,
+    kinds: Mapping[str, tuple[str, tuple[int, ...]]],
+    sums: Iterable[tuple[str, tuple[int, int]]],
+) -> StateDigest:
+    """A mixsum-128 state digest from lane sums over pieces of its tensors (`kinds`: name -> dtype, shape):
+    the sum over disjoint pieces that cover a tensor is that tensor's digest."""
+    lanes: dict[str, tuple[int, int]] = {}
+    for name, piece in sums:
+        lanes[name] = mixsum.add(lanes.get(name, (0, 0)), piece)
+    tensors = {
+        n: TensorDigest(dtype=kinds[n][0], shape=kinds[n][1], digest=mixsum.to_hex(lanes.get(n, (0, 0))))
+        for n in sorted(kinds)
+    }
+    return StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
+
+
 def root_digest(tensors: dict[str, TensorDigest], algorithm: DigestAlgorithm) -> str:
     """Root digest over the canonical JSON of the sorted per-tensor entries."""
     entries = [[n, tensors[n].dtype, list(tensors[n].shape), tensors[n].digest] for n in sorted(tensors)]

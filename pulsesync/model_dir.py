@@ -9,13 +9,15 @@ subscriber's directory sink both use it.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from huggingface_hub import save_torch_state_dict
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from pulsesync.dtypes import State
 
@@ -23,6 +25,8 @@ WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHT_SUFFIX = ".safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"-\d{5}-of-(\d{5})\.safetensors$")  # HF shard names: the index must follow
+PIECES_FILE = "pieces-{rank:05d}-of-{world:05d}.safetensors"  # a sharded anchor: one per rank
+PIECES_METADATA = "pulsesync.pieces"  # JSON {name: [flat start, global shape]} of a pieces file's tensors
 
 
 def write_model_dir(state: State, out_dir: Path, shard_size: int, files: Mapping[str, bytes]) -> list[str]:
@@ -35,6 +39,19 @@ def write_model_dir(state: State, out_dir: Path, shard_size: int, files: Mapping
             raise ValueError(f"file {name!r} would replace a weights file")
         (out_dir / name).write_bytes(data)
     return weights + sorted(files)
+
+
+def write_pieces(path: Path, tensors: Mapping[str, torch.Tensor], places: Mapping[str, tuple[int, list[int]]]) -> None:
+    """One rank's pieces of a sharded anchor: local tensors, and where each sits in its global tensor."""
+    metadata = {"format": "pt", PIECES_METADATA: json.dumps(dict(places), sort_keys=True, separators=(",", ":"))}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata=metadata)
+
+
+def pieces_metadata(path: Path) -> str | None:
+    """The pieces metadata of a safetensors file (None: an ordinary shard of whole tensors); unparsed, untrusted."""
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    return metadata.get(PIECES_METADATA)
 
 
 def load_owned(path: Path) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ LAYERS = {
     "model_dir": 2,
     "synthetic": 2,
     "verified": 3,
+    "sharding": 3,
     # pure codec and the store layer
     "codec": 4,
     "store": 4,

@@ -4,8 +4,8 @@ Pure: no I/O. `encoder` writes patches, `parse` reads them, `apply` applies them
 byte layout (docs/patch-format.md), `bits` the position and value coding, `fused` its numba kernels.
 """
 
-from pulsesync.codec.apply import UndoLog, apply_patch, apply_record
-from pulsesync.codec.encoder import EncodedPatch, encode, encode_patch
+from pulsesync.codec.apply import UndoLog, apply_parts, apply_patch, apply_record
+from pulsesync.codec.encoder import EncodedPart, EncodedPatch, encode, encode_part, encode_patch
 from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.codec.params import CodecParams
@@ -15,6 +15,7 @@ __all__ = [
     "FORMAT_VERSION",
     "ChunkHistory",
     "CodecParams",
+    "EncodedPart",
     "EncodedPatch",
     "PatchHistory",
     "PatchDecoder",
@@ -24,10 +25,12 @@ __all__ = [
     "RecordKind",
     "ValueCoding",
     "UndoLog",
+    "apply_parts",
     "apply_patch",
     "apply_record",
     "decode_record",
     "encode",
+    "encode_part",
     "encode_patch",
     "read_header",
 ]

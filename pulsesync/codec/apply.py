@@ -8,7 +8,7 @@ copy of a state and still restore it bit for bit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -307,6 +307,8 @@ def apply_patch(
     parser = PatchDecoder(max_decoded_bytes)
     raw_records = parser.split(patch)
     header = parser.finish()
+    if header.part is not None:
+        raise CorruptPatchError(f"patch is part {header.part} of a sharded step: apply the step's parts together")
     algorithm = header.digest_algorithm
     current = base_digest or state_digest(state, algorithm, threads)
     if current.root != header.base_digest:
@@ -319,7 +321,79 @@ def apply_patch(
         raise MissingReferenceError(
             f"patch is history-coded against patch {header.reference_sha256[:16]}..., the reference held is {held}"
         )
-    chunk_kinds = (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY)
+    incremental = verify and algorithm in INCREMENTAL
+    moved, whole_records, rehashed = _apply_records(
+        state, parser, raw_records, undo, reference, history, threads, verify, incremental
+    )
+    if not verify:
+        return None
+    if incremental:
+        result = update_digest(current, state, moved, [r.name for r in whole_records])
+    else:
+        tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
+        result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
+    if result.root != header.state_digest:
+        raise IntegrityError(f"patched state has digest {result.root}, the patch promises {header.state_digest}")
+    return result
+
+
+def apply_parts(
+    state: MutableMapping[str, torch.Tensor],
+    parts: Sequence[bytes | memoryview],
+    *,
+    base_digest: StateDigest,
+    threads: int | None = 1,
+    max_decoded_bytes: int | None = None,
+    undo: UndoLog | None = None,
+) -> StateDigest:
+    """Apply a sharded step's parts in order, in place; returns the digest they compose to.
+
+    Each part holds chunk records of the pieces one rank owns, made against the step's base
+    (`base_digest`); the caller checks the result against the step's signed manifest. On any
+    error `state` may be partially patched: roll `undo` back.
+    """
+    if base_digest.algorithm not in INCREMENTAL:
+        raise IntegrityError(f"a sharded patch needs an incremental digest, the state has {base_digest.algorithm}")
+    moved: list[tuple[str, tuple[int, int]]] = []
+    for index, patch in enumerate(parts):
+        parser = PatchDecoder(max_decoded_bytes)
+        raw_records = parser.split(patch)
+        header = parser.finish()
+        if header.part != index or header.state_digest or header.reference_sha256 is not None:
+            raise CorruptPatchError(f"part {index} of a sharded step: its header says part {header.part}")
+        if header.base_digest != base_digest.root or header.digest_algorithm != base_digest.algorithm:
+            raise IntegrityError(
+                f"part {index} was made against state digest {header.base_digest}, the state to patch has "
+                f"{base_digest.root}"
+            )
+        if whole := [h.name for h, _ in raw_records if h.kind not in _CHUNK_KINDS]:
+            raise CorruptPatchError(f"part {index} of a sharded step: tensor {whole[0]!r} has a whole-tensor record")
+        moved += _apply_records(state, parser, raw_records, undo, None, None, threads, True, True)[0]
+    return update_digest(base_digest, state, moved, [])
+
+
+_CHUNK_KINDS = (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY)
+
+
+def _apply_records(
+    state: MutableMapping[str, torch.Tensor],
+    parser: PatchDecoder,
+    raw_records: list[tuple[RecordHeader, memoryview]],
+    undo: UndoLog | None,
+    reference: PatchHistory | None,
+    history: PatchHistory | None,
+    threads: int | None,
+    verify: bool,
+    incremental: bool,
+) -> tuple[list[tuple[str, tuple[int, int]]], list[PatchRecord], dict[str, Future[TensorDigest]]]:
+    """Decode and apply a parsed patch's records: chunk records concurrently, whole-tensor ones after.
+
+    Returns how each chunk record moved its tensor's lanes (incremental digests), the whole-tensor
+    records applied, and the re-hashes started (a non-incremental digest with `verify`).
+    """
+    assert parser.header is not None
+    algorithm = parser.header.digest_algorithm
+    chunk_kinds = _CHUNK_KINDS
     for h, _ in raw_records:
         check_target(h, state)
         tensor = state[h.name] if h.kind in chunk_kinds else None
@@ -330,7 +404,6 @@ def apply_patch(
 
     references = reference.chunks if reference is not None else {}
     # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
-    incremental = verify and algorithm in INCREMENTAL
     moved: list[tuple[str, tuple[int, int]]] = []
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:
@@ -366,13 +439,4 @@ def apply_patch(
     for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part
         apply_record(record, state, device, undo)
         rehash(record.name)
-    if not verify:
-        return None
-    if incremental:
-        result = update_digest(current, state, moved, [r.name for r in whole_records])
-    else:
-        tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
-        result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
-    if result.root != header.state_digest:
-        raise IntegrityError(f"patched state has digest {result.root}, the patch promises {header.state_digest}")
-    return result
+    return moved, whole_records, rehashed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import zstandard
 
+from pulsesync import mixsum
 from pulsesync.codec import bits
 from pulsesync.codec.format import (
     PatchHeader,
@@ -31,6 +32,7 @@ from pulsesync.codec.params import CodecParams
 from pulsesync.digest import INCREMENTAL, StateDigest, lane_change, state_digest, update_digest
 from pulsesync.dtypes import DTypeInfo, State, dense_bytes, dtype_info, flat_bits
 from pulsesync.errors import ConfigError
+from pulsesync.sharding.layout import Piece
 from pulsesync.threads import parallel_map
 
 _local = threading.local()
@@ -355,31 +357,98 @@ def encode(
     if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
         moved = [r.digest_change for r in records if r.digest_change is not None]
         new_digest = update_digest(base_digest, new, moved, whole)
-    version = params.format_version
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
     coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
+    data, codings, wire = _assemble(
+        params,
+        records,
+        base_digest.root,
+        new_digest.root,
+        dense_bytes(new),
+        reference_sha256=coded_against.sha256 if coded_against is not None else None,
+    )
+    history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
+    return EncodedPatch(data, history, codings, new_digest, wire)
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """One rank's part of a sharded step's patch (docs/sharding.md) and how it moves each tensor's digest."""
+
+    data: bytes
+    codings: dict[str, int]
+    wire: dict[str, int]
+    changed_elements: int
+    lanes: dict[str, tuple[int, int]]  # tensor -> how the part's records moved its mixsum-128 lanes
+
+
+def encode_part(
+    base: State,
+    new: State,
+    pieces: Mapping[str, Piece],
+    params: CodecParams,
+    *,
+    part: int,
+    base_root: str,
+    dense_bytes_total: int,
+) -> EncodedPart:
+    """The part of a step's patch that covers `pieces`: `base`/`new` hold each piece's local tensor.
+
+    Each piece is a contiguous run of its tensor's flat elements, so a chunk of the local tensor
+    is a chunk of the global tensor at `piece.start` on: records carry global starts and the
+    global shape, and apply to the whole tensor as any record does. Parts are self-contained (no
+    history coding) and need an incremental digest: the step's digest is the base's moved by
+    every part's lane changes.
+    """
+    if params.digest_algorithm not in INCREMENTAL:
+        raise ConfigError(f"a sharded publish needs an incremental digest algorithm, not {params.digest_algorithm}")
+    tasks: list[Callable[[], _Record | None]] = []
+    for name in sorted(pieces):
+        piece, old_t, new_t = pieces[name], base[name], new[name]
+        if old_t.dtype != new_t.dtype or old_t.numel() != piece.length or new_t.numel() != piece.length:
+            raise ConfigError(f"tensor {name!r}: its dtype or size changed since the last anchor; publish an anchor")
+        tasks.extend(_chunk_tasks(params, name, old_t, new_t, None, piece.start, piece.shape))
+    records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
+    lanes: dict[str, tuple[int, int]] = {}
+    for r in records:
+        if r.digest_change is not None:
+            name, moved = r.digest_change
+            lanes[name] = mixsum.add(lanes.get(name, (0, 0)), moved)
+    data, codings, wire = _assemble(params, records, base_root, "", dense_bytes_total, part=part)
+    return EncodedPart(data, codings, wire, sum(r.changed for r in records), lanes)
+
+
+def _assemble(
+    params: CodecParams,
+    records: list[_Record],
+    base_root: str,
+    new_root: str,
+    total_dense_bytes: int,
+    **header_fields: Any,
+) -> tuple[bytes, dict[str, int], dict[str, int]]:
+    """The patch bytes (header, records, END), its codings per kind and its bytes by role."""
+    version = params.format_version
     header = PatchHeader(
         value_coding=params.value_coding,
         zstd_level=params.zstd_level,
         chunk_elements=params.chunk_elements,
         digest_algorithm=params.digest_algorithm,
-        base_digest=base_digest.root,
-        state_digest=new_digest.root,
+        base_digest=base_root,
+        state_digest=new_root,
         records=len(records),
         decoded_bytes=sum(r.raw_len for r in records),
         changed_elements=sum(r.changed for r in records),
-        dense_bytes=dense_bytes(new),
-        reference_sha256=coded_against.sha256 if coded_against is not None else None,
+        dense_bytes=total_dense_bytes,
+        **header_fields,
     )
     end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)), version)
     data = b"".join([encode_header(header, version), *(r.data for r in records), end])
-    history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
     codings = dict(sorted(Counter(r.coding for r in records if r.coding).items()))
     wire = {"positions": 0, "values": 0, "framing": len(data) - sum(len(r.data) for r in records)}  # header, end
     for r in records:
         for role, size in r.wire.items():
             wire[role] += size
-    return EncodedPatch(data, history, codings, new_digest, wire)
+    return data, codings, wire
 
 
 def _removal(params: CodecParams, name: str) -> _Record:
@@ -393,12 +462,17 @@ def _chunk_tasks(
     old_t: torch.Tensor,
     new_t: torch.Tensor,
     reference: PatchHistory | None,
+    offset: int = 0,
+    shape: tuple[int, ...] | None = None,
 ) -> list[Callable[[], _Record | None]]:
+    """One task per chunk; a piece of a larger tensor (sharded) starts at `offset` of a tensor of `shape`."""
     if old_t.device != new_t.device:
         new_t = new_t.to(old_t.device)
     info = dtype_info(old_t.dtype)
     old, new = flat_bits(old_t), flat_bits(new_t)
-    shape, step = tuple(old_t.shape), params.chunk_elements
-    chunks = [_Chunk(name, info, shape, s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)]
+    shape, step = shape or tuple(old_t.shape), params.chunk_elements
+    chunks = [
+        _Chunk(name, info, shape, offset + s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)
+    ]
     refs = reference.chunks if reference is not None else {}
     return [partial(_encode_chunk, params, c, refs.get(c.key)) for c in chunks]

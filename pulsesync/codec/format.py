@@ -110,6 +110,10 @@ class PatchHeader(BaseModel):
     dense_bytes: int = Field(ge=0)  # bytes of the resulting state, dense
     # v2: SHA-256 of the patch whose records HISTORY records are coded against (None: no HISTORY records)
     reference_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    # v2, sharded publishing: this patch is part `part` of a step's parts (docs/sharding.md); its
+    # state_digest is empty, the step's manifest holds the digest the parts compose to. Omitted
+    # from the JSON when None, so every other patch reads as before.
+    part: int | None = Field(None, ge=0)
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,10 @@ class RecordHeader:
 
 def encode_header(header: PatchHeader, version: int = FORMAT_VERSION) -> bytes:
     """Preamble, canonical JSON header and its checksum."""
-    fields = header.model_dump(exclude={"reference_sha256"} if version == 1 else set())
+    exclude = {"reference_sha256"} if version == 1 else set()
+    if header.part is None:
+        exclude.add("part")
+    fields = header.model_dump(exclude=exclude)
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     head = PREAMBLE.pack(MAGIC, version, 0, len(body)) + body
     return head + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
@@ -186,8 +193,8 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int,
         header = PatchHeader.model_validate_json(bytes(buf[PREAMBLE.size : end]))
     except ValidationError as e:
         raise CorruptPatchError(f"patch header is invalid: {e.errors()[0]['msg']}") from None
-    if version == 1 and header.reference_sha256 is not None:
-        raise CorruptPatchError("patch header is invalid: a version 1 patch names a reference")
+    if version == 1 and (header.reference_sha256 is not None or header.part is not None):
+        raise CorruptPatchError("patch header is invalid: a version 1 patch names a reference or a part")
     return header, total, version
 
 

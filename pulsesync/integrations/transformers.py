@@ -4,11 +4,12 @@ Each optimizer step (`on_step_end`) the main process publishes the model's weigh
 soon as they are copied to host memory; `on_train_end` flushes. Anchors carry the model's
 config.json and generation_config.json, so they open with `from_pretrained`.
 
-Sharded training (FSDP, DeepSpeed ZeRO-3): every rank holds a shard, so the full state dict must
-be gathered collectively on every rank. Pass `state_dict_fn`, which the callback calls on every
-rank, e.g. `state_dict_fn=lambda model: trainer.accelerator.get_state_dict(model)` (with FSDP's
-`fsdp_state_dict_type: FULL_STATE_DICT`); only the world main process publishes what it returns.
-Without it the callback reads `model.state_dict()` on the main process only.
+Several ranks (FSDP2, data parallel): every rank publishes its own `model.state_dict()` through a
+sharded Publisher: each uploads what it owns (FSDP2's DTensor shards; one replica of a replicated
+tensor) and rank 0 commits the step, so no rank gathers the model (docs/sharding.md). Layouts the
+state dict does not describe (FSDP1's flat parameters, DeepSpeed ZeRO-3) gather instead: pass
+`state_dict_fn`, which the callback calls on every rank, e.g. `state_dict_fn=lambda model:
+trainer.accelerator.get_state_dict(model)`; only the world main process publishes what it returns.
 
 Requires the `transformers` extra: `pip install 'pulsesync[transformers]'`.
 """
@@ -25,6 +26,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.publisher.pipeline import multi_rank
 
 StateDictFn = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
 
@@ -52,11 +54,16 @@ class PulseSyncCallback(TrainerCallback):
 
     @property
     def publisher(self) -> Publisher:
-        """The publisher (created on first use, on the main process only)."""
+        """The publisher (created on first use: on every rank when sharded, else on the main process only)."""
         if self._publisher is None:
             assert self._config is not None
-            self._publisher = Publisher(self._config)
+            self._publisher = Publisher(self._config, sharded=self._sharded)
         return self._publisher
+
+    @property
+    def _sharded(self) -> bool:
+        """Every rank publishes what it owns (several ranks, and no gathering state_dict_fn)."""
+        return self._state_dict_fn is None and multi_rank()
 
     def _model_files(self, model: Any) -> dict[str, Path]:
         """config.json and generation_config.json of the model, written once."""
@@ -70,22 +77,22 @@ class PulseSyncCallback(TrainerCallback):
         return self._files
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Publish the weights of this optimizer step (main process; every rank gathers with state_dict_fn)."""
+        """Publish the weights of this optimizer step (every rank when sharded; else the main process)."""
         model = kwargs.get("model")
         if model is None or state.global_step % self._every:
             return
         if self._state_dict_fn is not None:
             weights = self._state_dict_fn(model)  # collective: every rank takes part
-        elif state.is_world_process_zero:
+        elif self._sharded or state.is_world_process_zero:
             weights = model.state_dict()
         else:
             return
-        if state.is_world_process_zero:
+        if self._sharded or state.is_world_process_zero:
             self.publisher.publish(state.global_step, weights, self._model_files(model))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Wait for the last steps to commit; stop the publisher if this callback created it."""
-        if state.is_world_process_zero and self._publisher is not None:
+        if (self._sharded or state.is_world_process_zero) and self._publisher is not None:
             (self._publisher.close if self._owns_publisher else self._publisher.flush)()

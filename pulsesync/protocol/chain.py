@@ -20,12 +20,12 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
 
-from pulsesync.codec import PatchHistory, UndoLog, apply_patch
+from pulsesync.codec import PatchHistory, UndoLog, apply_parts, apply_patch
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, ReplayError
 from pulsesync.metrics import MARKERS_REJECTED
-from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned
+from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned, pieces_metadata
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import (
     MAX_MANIFEST_BYTES,
@@ -35,6 +35,7 @@ from pulsesync.protocol.manifest import (
     check_newer,
     verify_manifest,
 )
+from pulsesync.sharding.layout import Assembly
 from pulsesync.store import ObjectInfo, Store
 from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
@@ -224,6 +225,12 @@ class ChainClient:
         await asyncio.to_thread(check_object, ref, data, f"{self.store.url}{ref.key}")
         return data
 
+    async def fetch_patch(self, manifest: PatchManifest) -> bytes:
+        """A patch's bytes: its one object, or a sharded step's parts concatenated (split_parts splits them)."""
+        if len(manifest.objects) == 1:
+            return await self.fetch(manifest.objects[0])
+        return b"".join(await asyncio.gather(*map(self.fetch, manifest.objects)))
+
     async def load_anchor(
         self, manifest: AnchorManifest
     ) -> tuple[dict[str, torch.Tensor], StateDigest, dict[str, bytes]]:
@@ -235,6 +242,7 @@ class ChainClient:
         """
         state: dict[str, torch.Tensor] = {}
         files: dict[str, bytes] = {}
+        assembly: Assembly | None = None
         with tempfile.TemporaryDirectory(prefix=f"pulsesync-anchor-{manifest.step}-") as spool:
             for ref in manifest.objects:
                 name = ref.key.rsplit("/", 1)[-1]
@@ -246,12 +254,22 @@ class ChainClient:
                 self.bytes_downloaded += done.size
                 try:
                     shard = await asyncio.to_thread(load_owned, path)
+                    places = await asyncio.to_thread(pieces_metadata, path)
                 except SafetensorError as e:
                     raise IntegrityError(f"{self.store.url}{ref.key}: not a valid safetensors file ({e})") from None
                 path.unlink()
+                if places is not None:  # one rank's pieces of a sharded anchor (docs/sharding.md)
+                    assembly = assembly or Assembly(f"anchor {manifest.step}")
+                    await asyncio.to_thread(assembly.add, shard, places)
+                    continue
                 if duplicate := state.keys() & shard.keys():
                     raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
                 state.update(shard)
+        if assembly is not None:
+            pieced = assembly.finish()
+            if duplicate := state.keys() & pieced.keys():
+                raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
+            state.update(pieced)
         digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, self.threads)
         check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
         files.pop(INDEX_FILE, None)  # describes the shards, which a reader lays out anew
@@ -278,7 +296,7 @@ class ChainClient:
                 f"patch {manifest.step}: its base digest {manifest.base_digest} is not the held state's {digest.root}"
             )
         if data is None:
-            data = await self.fetch(manifest.objects[0])
+            data = await self.fetch_patch(manifest)
         # A patch never decodes to much more than the state it changes: a signed zstd bomb (a small
         # frame declaring GiBs, sizes consistent) is refused before anything is allocated.
         held_bytes = dense_bytes(state)
@@ -289,17 +307,29 @@ class ChainClient:
                 f"patch {manifest.step}: coded against {manifest.reference.key}, whose history is not held "
                 "(a restart, or a step missed)"
             )
-        new = await in_thread_to_completion(
-            apply_patch,
-            state,
-            data,
-            base_digest=digest,
-            threads=self.threads,
-            undo=undo,
-            max_decoded_bytes=limit,
-            reference=reference,
-            history=history,
-        )
+        new: StateDigest | None
+        if len(manifest.objects) > 1:  # a sharded step: its parts compose to the manifest's digest
+            new = await in_thread_to_completion(
+                apply_parts,
+                state,
+                split_parts(manifest, data),
+                base_digest=digest,
+                threads=self.threads,
+                undo=undo,
+                max_decoded_bytes=limit,
+            )
+        else:
+            new = await in_thread_to_completion(
+                apply_patch,
+                state,
+                data,
+                base_digest=digest,
+                threads=self.threads,
+                undo=undo,
+                max_decoded_bytes=limit,
+                reference=reference,
+                history=history,
+            )
         assert new is not None  # verify=True
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
         return new
@@ -342,7 +372,7 @@ class ChainClient:
 
         def prefetch(i: int) -> None:
             if i < len(links) and i not in fetches:
-                fetches[i] = asyncio.create_task(self.fetch(links[i].objects[0]))
+                fetches[i] = asyncio.create_task(self.fetch_patch(links[i]))
 
         try:
             for i in range(min(window, len(links))):
@@ -352,7 +382,8 @@ class ChainClient:
                 data = await fetches.pop(i)
                 if undo is not None:
                     undo.append(UndoLog())
-                history = PatchHistory(link.objects[0].sha256)
+                # A sharded step's parts are self-contained: no history for the next patch to refer to.
+                history = PatchHistory(link.objects[0].sha256) if len(link.objects) == 1 else None
                 log_ = undo[-1] if undo is not None else None
                 digest = await self.apply(state, digest, link, data, log_, reference, history)
                 reference = history
@@ -363,6 +394,27 @@ class ChainClient:
                 task.cancel()
             await asyncio.gather(*fetches.values(), return_exceptions=True)
         return digest, reference
+
+
+def split_parts(manifest: PatchManifest, data: bytes) -> list[bytes]:
+    """A patch's bytes split into its objects' bytes by the sizes its signed manifest lists (checked by fetch)."""
+    if len(data) != sum(ref.size for ref in manifest.objects):
+        raise IntegrityError(
+            f"patch {manifest.step}: {len(data)} bytes, its manifest lists {len(manifest.objects)} objects"
+        )
+    parts, at = [], 0
+    for ref in manifest.objects:
+        parts.append(data[at : at + ref.size])
+        at += ref.size
+    return parts
+
+
+def check_patch(manifest: PatchManifest, data: bytes, where: str) -> None:
+    """IntegrityError unless `data` is the patch's objects, each of the size and SHA-256 the manifest lists."""
+    if len(manifest.objects) == 1:
+        return check_object(manifest.objects[0], data, where)
+    for ref, part in zip(manifest.objects, split_parts(manifest, data), strict=True):
+        check_object(ref, part, f"{where} ({ref.key})")
 
 
 def check_object(ref: ObjectRef, data: bytes, where: str) -> None:

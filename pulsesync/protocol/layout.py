@@ -60,6 +60,11 @@ def anchor_prefix(step: int) -> str:
     return f"anchors/{step_name(step)}/"
 
 
+def part_key(step: int, run_id: str, rank: int) -> str:
+    """Key of one rank's part of a sharded step's patch (docs/sharding.md)."""
+    return f"{patch_prefix(step)}part-{rank:05d}-{_check_run_id(run_id)}.bin"
+
+
 def anchor_dir(step: int, run_id: str) -> str:
     """Folder of the anchor that publisher run `run_id` wrote for a step: an HF model directory."""
     return f"{anchor_prefix(step)}{_check_run_id(run_id)}/"

@@ -1,8 +1,10 @@
 """The publisher: patches every step, anchors every k, ready markers last.
 
-`pipeline` runs the steps; `schedule` decides anchors (pure); `commit` builds manifests and
-writes ready markers; `resume` rebuilds the baseline; `host_copy` takes the trainer's state;
-`report` is what a step did; `sources` and `checkpoints` feed it from a process beside a trainer.
+`pipeline` runs the steps; `sharded` runs them on one rank of a multi-rank trainer (each rank
+uploads what it owns, rank 0 commits); `ownership` keeps a prefix to one stream; `schedule`
+decides anchors (pure); `commit` builds manifests and writes ready markers; `resume` rebuilds the
+baseline; `host_copy` takes the trainer's state; `report` is what a step did; `sources` and
+`checkpoints` feed it from a process beside a trainer.
 """
 
 from pulsesync.publisher.config import PublisherConfig, WatchConfig

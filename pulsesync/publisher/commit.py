@@ -29,20 +29,23 @@ def patch_manifest(
     step: int,
     base: VerifiedState,
     anchor_step: int,
-    ref: ObjectRef,
+    objects: list[ObjectRef],
     digest: StateDigest,
     sizes: Sizes,
     params: CodecParams,
     reference: ObjectRef | None = None,
     records: dict[str, int] | None = None,
 ) -> PatchManifest:
-    """The manifest of a patch from `base` to `step`, in the chain that starts at `anchor_step`."""
+    """The manifest of a patch from `base` to `step`, in the chain that starts at `anchor_step`.
+
+    `objects`: the patch, or a sharded step's parts in the order they apply.
+    """
     return PatchManifest(
         step=step,
         base_step=base.step,
         anchor_step=anchor_step,
         base_digest=base.digest.root,
-        objects=[ref],
+        objects=objects,
         state_digest=digest,
         sizes=sizes,
         created_at=utc_now(),

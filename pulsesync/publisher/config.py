@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pulsesync.config import Config
 from pulsesync.retention.policy import RetentionPolicy
+from pulsesync.sharding.config import ShardingConfig
 
 # Non-weight files of a checkpoint directory that anchors carry, so an anchor opens with
 # transformers' from_pretrained, vLLM and SGLang as is (config, generation config, tokenizer).
@@ -74,3 +75,6 @@ class PublisherConfig(Config):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics on this port")
     watch: WatchConfig = Field(default_factory=WatchConfig)
     retention: RetentionPolicy | None = Field(None, description="run the retention worker inside the publisher")
+    sharding: ShardingConfig = Field(
+        default_factory=ShardingConfig, description="a trainer on several ranks: each publishes what it owns"
+    )

@@ -8,12 +8,15 @@ publisher's: counted, logged and skipped, so junk under ready/ cannot stop publi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from pulsesync.errors import ConflictError, ForeignStreamError, IntegrityError, NotFoundError, UnknownKeyError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest
+
+log = logging.getLogger("pulsesync.publisher")
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,67 @@ async def classify(
     except IntegrityError as e:  # forged with our key id, malformed, a replayed copy: no publisher wrote it
         chain.reject(step, kind, e)
         return None
+
+
+async def newest_own(chain: ChainClient, take_over: bool, new_stream: str) -> tuple[int | None, int]:
+    """The newest listed step whose marker is ours, and the step new ones must follow (-1: any).
+
+    ConflictError at a newer marker of another stream. Junk markers are skipped (a forged
+    far-future key must not stop publishing). With `take_over`, another stream's marker ends the
+    search instead: the publisher starts stream `new_stream`, with steps newer than that marker's.
+    """
+    for step in sorted(chain.listed, reverse=True):
+        for kind in sorted(chain.listed.get(step, ())):
+            found = await classify(chain, step, kind)
+            if isinstance(found, OtherStream):
+                if not take_over:
+                    raise found.conflict(step)
+                log.warning(
+                    "taking over %s: it holds %s (key %s, stream %s); a new stream %s starts with an anchor "
+                    "after step %d",
+                    chain.store.url,
+                    found.key,
+                    found.key_id,
+                    found.stream_id or "-",
+                    new_stream,
+                    step,
+                )
+                return None, step
+            if found is not None:
+                return step, -1
+    return None, -1
+
+
+@dataclass
+class PrefixGuard:
+    """Watches a prefix for other publishers between steps: one listing after the last key seen per step."""
+
+    chain: ChainClient
+    own: set[str] = field(default_factory=set)  # ready markers we wrote and the listing has not passed yet
+
+    def wrote(self, key: str) -> None:
+        """Remember a marker this publisher is writing, so the next listing does not take it for another's."""
+        self.own.add(key)
+
+    async def scan(self) -> dict[int, set[layout.Kind]]:
+        """Ready markers others wrote since the last scan, by step."""
+        found: dict[int, set[layout.Kind]] = {}
+        for entry, info in await self.chain.refresh():
+            if info.key not in self.own:
+                found.setdefault(entry.step, set()).add(entry.kind)
+        seen = self.chain.last_listed or ""
+        self.own = {k for k in self.own if k > seen}  # only markers not listed yet matter
+        return found
+
+    async def check(self, step: int) -> None:
+        """ConflictError if another publisher (another stream, or ours) committed to the prefix since the last look."""
+        for other, kinds in sorted((await self.scan()).items()):
+            for kind in sorted(kinds):
+                found = await classify(self.chain, other, kind)
+                if isinstance(found, OtherStream):
+                    raise found.conflict(step)
+                if found is not None:  # signed by our key for our stream: a copy of this job
+                    raise ConflictError(
+                        f"step {step}: another publisher wrote step {other} to {self.chain.store.url}; stopping so "
+                        "the chain does not fork"
+                    )

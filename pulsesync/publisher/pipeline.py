@@ -43,11 +43,12 @@ from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
 from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.host_copy import HostCopy, HostCopyPool
-from pulsesync.publisher.ownership import OtherStream, classify
+from pulsesync.publisher.ownership import PrefixGuard, newest_own
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.resume import resume_baseline
 from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.retention import RetentionWorker
+from pulsesync.sharding.layout import Ownership
 from pulsesync.store import Store, open_store
 from pulsesync.verified import VerifiedState
 
@@ -57,7 +58,7 @@ FileSource = Mapping[str, Path | str | bytes]
 """Files an anchor carries besides the weights: name -> path or content."""
 
 
-def _read_files(files: FileSource | None) -> dict[str, bytes]:
+def read_files(files: FileSource | None) -> dict[str, bytes]:
     """File contents keyed by name (read now: the source may be gone when an anchor is written)."""
     out = {}
     for name, source in (files or {}).items():
@@ -87,7 +88,7 @@ class AsyncPublisher:
         self.skipped = 0
         self.last_error: PulseSyncError | None = None  # of the newest step that failed
         self._key = signing_key
-        self._files = _read_files({p.name: p for p in config.extra_files})
+        self._files = read_files({p.name: p for p in config.extra_files})
         self._pool = HostCopyPool(keep=config.max_pending + 1)
         self._pending: deque[HostCopy] = deque()
         self._cond: asyncio.Condition | None = None
@@ -104,7 +105,7 @@ class AsyncPublisher:
         self._last_step = -1  # newest step accepted, ours or found in the store
         trusted = signing.trusted_keys([signing_key.public_key()])
         self._chain = ChainClient(self.store, trusted, config.codec.threads or 1)
-        self._own: set[str] = set()  # ready markers we wrote and the listing has not passed yet
+        self._guard = PrefixGuard(self._chain)
         self._retention: asyncio.Task[None] | None = None
         self._stop_retention = asyncio.Event()
 
@@ -114,8 +115,8 @@ class AsyncPublisher:
         if self._worker is not None:
             return
         self._cond = asyncio.Condition()
-        await self._scan_ready()
-        newest = await self._newest_own()
+        await self._guard.scan()
+        newest, self._last_step = await newest_own(self._chain, self.config.take_over_prefix, self.stream_id)
         ready = {s: k for s, k in (await self._chain.ready()).items() if newest is not None and s <= newest}
         if newest is not None:
             found = self._chain.verified_marker(newest)
@@ -182,7 +183,7 @@ class AsyncPublisher:
         """Copy a state to host memory (blocking; any thread)."""
         t0 = time.perf_counter()
         buffers = self._pool.copy(state)
-        return HostCopy(step, buffers, time.perf_counter() - t0, _read_files(files))
+        return HostCopy(step, buffers, time.perf_counter() - t0, read_files(files))
 
     @property
     def last_step(self) -> int:
@@ -263,7 +264,7 @@ class AsyncPublisher:
             digest = await self._full_digest(snap.state)
         # else: the encoder updates the baseline's digest from the changed elements (O(patch))
         timing = (snap.seconds, time.perf_counter() - t0)  # snapshot_s, digest_s
-        await self._check_prefix(snap.step)
+        await self._guard.check(snap.step)
         if self._base is None:
             assert digest is not None
             return await self._anchor_instead(snap, digest, timing)
@@ -328,7 +329,7 @@ class AsyncPublisher:
                 snap.step,
                 base,
                 self._schedule.anchor_step,
-                ref,
+                [ref],
                 digest,
                 report.sizes(),
                 params,
@@ -425,65 +426,40 @@ class AsyncPublisher:
 
     async def _commit(self, manifest: PatchManifest | AnchorManifest) -> None:
         """Write the signed manifest as the step's ready marker; never overwrites."""
-        self._own.add(layout.ready_key(manifest.step, manifest.kind))
+        self._guard.wrote(layout.ready_key(manifest.step, manifest.kind))
         await write_ready_marker(self.store, manifest.model_copy(update={"stream_id": self.stream_id}), self._key)
 
-    async def _scan_ready(self) -> dict[int, set[layout.Kind]]:
-        """Ready markers other publishers wrote since the last scan, by step."""
-        found: dict[int, set[layout.Kind]] = {}
-        for entry, info in await self._chain.refresh():
-            if info.key not in self._own:
-                found.setdefault(entry.step, set()).add(entry.kind)
-        seen = self._chain.last_listed or ""
-        self._own = {k for k in self._own if k > seen}  # only markers not listed yet matter
-        return found
 
-    async def _newest_own(self) -> int | None:
-        """The newest listed step whose marker is ours; ConflictError at a newer one of another stream.
+def multi_rank() -> bool:
+    """Whether this process is one rank of a torch.distributed job of several."""
+    import torch.distributed as dist
 
-        Junk markers are skipped (a forged far-future key must not stop publishing). With
-        take_over_prefix, another stream's marker ends the search instead: this publisher starts a
-        new stream, with steps newer than that marker's.
-        """
-        for step in sorted(self._chain.listed, reverse=True):
-            for kind in sorted(self._chain.listed.get(step, ())):
-                found = await classify(self._chain, step, kind)
-                if isinstance(found, OtherStream):
-                    if not self.config.take_over_prefix:
-                        raise found.conflict(step)
-                    log.warning(
-                        "taking over %s: it holds %s (key %s, stream %s); a new stream %s starts with an anchor after "
-                        "step %d",
-                        self.store.url,
-                        found.key,
-                        found.key_id,
-                        found.stream_id or "-",
-                        self.stream_id,
-                        step,
-                    )
-                    self._last_step = step
-                    return None
-                if found is not None:
-                    return step
-        return None
-
-    async def _check_prefix(self, step: int) -> None:
-        """ConflictError if another publisher (another stream, or ours) committed to the prefix since our last look."""
-        foreign = await self._scan_ready()
-        for other, kinds in sorted(foreign.items()):
-            for kind in sorted(kinds):
-                found = await classify(self._chain, other, kind)
-                if isinstance(found, OtherStream):
-                    raise found.conflict(step)
-                if found is not None:  # signed by our key for our stream: a copy of this job
-                    raise ConflictError(
-                        f"step {step}: another publisher wrote step {other} to {self.store.url}; stopping so the "
-                        "chain does not fork"
-                    )
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class Publisher:
-    """Blocking wrapper of AsyncPublisher for training loops: its pipeline runs on its own thread."""
+    """Blocking wrapper of AsyncPublisher for training loops: its pipeline runs on its own thread.
+
+    On a torch.distributed job of several ranks, `Publisher(...)` is a `ShardedPublisher`: every
+    rank constructs it and publishes its own `state_dict()`, each rank uploading what it owns
+    (docs/sharding.md); `declared` names the owners of plain tensors there. `sharded=False` keeps
+    one process publishing a whole state it gathered (constructed on that rank alone).
+    """
+
+    def __new__(
+        cls,
+        config: PublisherConfig,
+        *,
+        store: Store | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
+        declared: Mapping[str, Ownership] | None = None,
+        sharded: bool | None = None,
+    ) -> Any:
+        if cls is Publisher and (sharded if sharded is not None else multi_rank()):
+            from pulsesync.publisher.sharded import ShardedPublisher
+
+            return ShardedPublisher(config, store=store, signing_key=signing_key, declared=declared)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -491,6 +467,8 @@ class Publisher:
         *,
         store: Store | None = None,
         signing_key: Ed25519PrivateKey | None = None,
+        declared: Mapping[str, Ownership] | None = None,
+        sharded: bool | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pulsesync-publisher-loop", daemon=True)

@@ -54,7 +54,7 @@ from pulsesync.errors import (
     StoreError,
 )
 from pulsesync.protocol import signing
-from pulsesync.protocol.chain import ChainClient, check_object
+from pulsesync.protocol.chain import ChainClient, check_patch
 from pulsesync.protocol.manifest import PatchManifest, verify_manifest
 from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
@@ -208,7 +208,7 @@ class Subscriber:
                         f"{where}: holds the {manifest.kind} of step {manifest.step}, not a patch "
                         f"from step {cached.step}"
                     )
-                check_object(manifest.objects[0], data, where)
+                check_patch(manifest, data, where)
                 history = PatchHistory(manifest.objects[0].sha256)
                 cached.digest = await self.chain.apply(
                     cached.state, cached.digest, manifest, data, undo, cached.history, history

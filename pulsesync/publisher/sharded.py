@@ -1,0 +1,411 @@
+"""The publisher on one rank of a multi-rank trainer: each rank publishes the pieces it owns; one commit per step.
+
+Per step, on every rank, on a thread and a gloo process group of pulsesync's own (never the
+trainer's collectives):
+
+1. the rank encodes its pieces against its own baseline (a patch part) or writes them (an
+   anchor's pieces file) and uploads that object itself, with the store's bounded, retried calls;
+2. one gather of small descriptors (object keys, sizes, SHA-256, digest lane sums; never tensors);
+3. rank 0 composes the whole model's state digest from the lane sums (mixsum-128 is additive) and
+   writes the signed ready marker, only when every rank's object is durable, then broadcasts the
+   outcome;
+4. every rank moves its baseline only to a committed step.
+
+A rank that fails, hangs past `sharding.timeout_seconds` or dies fails the step on every rank (no
+marker); the job's restart publishes an anchor first. docs/sharding.md has the protocol and the
+failure table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import queue
+import secrets
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsesync import mixsum
+from pulsesync.codec import encode_part
+from pulsesync.digest import INCREMENTAL, StateDigest, moved_digest, summed_digest
+from pulsesync.dtypes import State, flat_bits
+from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
+from pulsesync.model_dir import PIECES_FILE, write_pieces
+from pulsesync.protocol import layout, signing
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.manifest import ObjectRef, Sizes
+from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.publisher.ownership import PrefixGuard, newest_own
+from pulsesync.publisher.pipeline import FileSource, read_files
+from pulsesync.publisher.report import StepReport
+from pulsesync.publisher.schedule import AnchorSchedule
+from pulsesync.sharding.layout import Ownership, Piece, local_pieces, validate
+from pulsesync.store import Store, open_store
+from pulsesync.verified import VerifiedState
+
+log = logging.getLogger("pulsesync.publisher")
+T = TypeVar("T")
+_STOP = object()
+
+
+@dataclass
+class _Part:
+    """What one rank did in one round, as rank 0 gathers it (no tensors)."""
+
+    rank: int
+    error: str = ""
+    objects: list[ObjectRef] = field(default_factory=list)
+    lanes: list[tuple[str, tuple[int, int]]] = field(default_factory=list)  # digest lane sums (anchor) or moves
+    changed: int = 0
+    codings: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Outcome:
+    """What rank 0 tells every rank after a round: committed or not, and the digest root it committed."""
+
+    committed: bool
+    error: str = ""
+    root: str = ""
+    wire_bytes: int = 0  # of every rank's objects: the anchor schedule must advance alike on every rank
+    fatal: PulseSyncError | None = None  # stops every rank's publisher (a conflict, a bad layout)
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    tensors: dict[str, torch.Tensor]  # this rank's pieces, copied to host memory
+    files: dict[str, bytes]
+    seconds: float
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a local shard (a device tensor's transfer is already a copy)."""
+    t = t.detach()
+    return t.clone() if t.device.type == "cpu" else t.to("cpu")
+
+
+def _piece_sums(piece: Piece, t: torch.Tensor) -> tuple[int, int]:
+    """The mixsum-128 lanes of a piece's elements at their global flat indices."""
+    return mixsum.sum_range(mixsum.unsigned(flat_bits(t).numpy()), piece.start)
+
+
+class ShardedPublisher:
+    """What `Publisher` runs on each rank of a multi-rank job: call it from every rank, with each rank's state.
+
+    `publish(step, state)` takes `model.state_dict()` as is: DTensors (FSDP2, tensor parallel)
+    describe their own pieces; a plain tensor is whole and this rank's unless `declared` names it
+    (`Rows` of a larger tensor, or None: another rank owns it). `files` (config.json, tokenizer)
+    are taken from rank 0.
+    """
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        *,
+        store: Store | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
+        group: Any = None,
+        declared: Mapping[str, Ownership] | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        if config.codec.digest_algorithm not in INCREMENTAL:
+            algorithm = config.codec.digest_algorithm
+            raise ConfigError(f"codec.digest_algorithm: a sharded publish needs mixsum-128, not {algorithm}")
+        self.config = config
+        timeout = dt.timedelta(seconds=config.sharding.timeout_seconds)
+        self._group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+        self.rank, self.world = dist.get_rank(self._group), dist.get_world_size(self._group)
+        self._root_rank = dist.get_global_rank(self._group, 0)
+        self._declared = dict(declared or {})
+        self._key = signing_key
+        if self.rank == 0 and self._key is None:
+            if config.signing_key is None:
+                raise ConfigError("signing_key: rank 0 commits every step and needs the Ed25519 private key")
+            self._key = signing.load_private_key(config.signing_key)
+        self.store = store or open_store(config.store)
+        self.reports: deque[StepReport] = deque(maxlen=1000)
+        self.skipped = 0  # steps are never skipped: every rank must publish the same ones
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="pulsesync-rank-loop", daemon=True)
+        self._loop_thread.start()
+        self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
+        self._base: _Snapshot | None = None  # this rank's pieces at the last committed step
+        self._base_root = ""
+        self._base_step = -1
+        self._pieces: dict[str, Piece] = {}  # what this rank publishes (replicas resolved), at the last anchor
+        self._raw: dict[str, Piece] | None = None  # what it held then, before replicas were resolved
+        self._keep: frozenset[str] | None = None
+        self._layout: dict[str, list[Piece]] = {}
+        self._digest: StateDigest | None = None  # rank 0: the whole model's, at the last committed step
+        self._anchor_next = True
+        self._fatal: BaseException | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.max_pending)
+        self._chain: ChainClient | None = None
+        self._dense_bytes = 0  # of the whole model, from the layout
+        self._files = read_files({p.name: p for p in config.extra_files})  # rank 0: what anchors carry
+        self._guard: PrefixGuard | None = None
+        try:
+            start: list[Any] = [self._start_on_root() if self.rank == 0 else None]
+            dist.broadcast_object_list(start, src=self._root_rank, group=self._group)
+            if isinstance(start[0], BaseException):
+                raise start[0]
+            self.stream_id, self.run_id, self._last_step = start[0]
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._worker = threading.Thread(target=self._work, name="pulsesync-rank-publisher", daemon=True)
+        self._worker.start()
+
+    # --- start ---------------------------------------------------------------------------------
+    def _start_on_root(self) -> tuple[str, str, int] | PulseSyncError:
+        """Rank 0: the prefix's stream to continue (or a new one) and the newest step in it."""
+        assert self._key is not None
+        chain = ChainClient(self.store, signing.trusted_keys([self._key.public_key()]), self.config.codec.threads or 1)
+        self._chain, self._guard = chain, PrefixGuard(chain)
+        stream = secrets.token_hex(8)
+        try:
+            self._run(self._guard.scan())
+            newest, last = self._run(newest_own(chain, self.config.take_over_prefix, stream))
+        except PulseSyncError as e:
+            return e
+        if newest is not None:
+            found = chain.verified_marker(newest)
+            assert found is not None
+            stream, last = found[1].stream_id or stream, newest
+        chain.stream_id = stream
+        return stream, secrets.token_hex(4), last
+
+    # --- the trainer's side ----------------------------------------------------------------------
+    def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
+        """Copy this rank's pieces to host memory and queue the step; blocks while `max_pending` steps wait."""
+        self._raise_fatal()
+        if step <= self._last_step:
+            raise ConflictError(
+                f"step {step} is not newer than step {self._last_step}, already published to {self.store.url}; "
+                "steps must strictly increase"
+            )
+        t0 = time.perf_counter()
+        pieces, tensors = local_pieces(state, self.rank, self._declared)
+        # Replicas another rank publishes are not copied (the layout of the last anchor says which).
+        keep, raw = self._keep, self._raw
+        held = {n: t for n, t in tensors.items() if keep is None or pieces != raw or n in keep}
+        snap = _Snapshot(step, {n: _host(t) for n, t in held.items()}, read_files(files), 0.0)
+        snap.seconds = time.perf_counter() - t0
+        self._last_step = step
+        self._queue.put((snap, pieces))
+
+    def flush(self) -> None:
+        """Block until every queued step is committed or failed on every rank."""
+        self._queue.join()
+        self._raise_fatal()
+
+    def close(self) -> None:
+        """Flush and stop this rank's publisher."""
+        if self._loop.is_closed():
+            return
+        try:
+            self.flush()
+        finally:
+            self._queue.put(_STOP)
+            self._worker.join()
+            with contextlib.suppress(Exception):
+                self._run(self.store.close())
+            self._stop_loop()
+
+    def __enter__(self) -> ShardedPublisher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
+        self._loop.close()
+
+    # --- the rounds ------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            snap, pieces = item
+            try:
+                if self._fatal is None:
+                    self._publish_step(snap, pieces)
+            except PulseSyncError as e:
+                self._fatal = e
+                log.error("step %d: rank %d stops publishing (%s: %s)", snap.step, self.rank, type(e).__name__, e)
+            except Exception as e:  # a collective that failed (a rank died or timed out) or a bug
+                self._fatal = PulseSyncError(f"step {snap.step}: rank {self.rank}: {type(e).__name__}: {e}")
+                log.exception("step %d: rank %d stops publishing", snap.step, self.rank)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _publish_step(self, snap: _Snapshot, pieces: dict[str, Piece]) -> None:
+        import torch.distributed as dist
+
+        # Every rank must run the same rounds: one whose pieces changed (resharded) makes it an anchor for all.
+        moved = [False] * self.world
+        dist.all_gather_object(moved, pieces != self._raw, group=self._group)
+        if self._anchor_next or self._base is None or any(moved):
+            self._round(snap, pieces, "anchor")
+            return
+        if self._round(snap, pieces, "patch") and self._schedule.due:
+            self._round(snap, pieces, "anchor")
+
+    def _round(self, snap: _Snapshot, raw: dict[str, Piece], kind: layout.Kind) -> bool:
+        """One object set of a step on every rank; returns whether it was committed."""
+        import torch.distributed as dist
+
+        report = StepReport(snap.step, kind, snapshot_s=snap.seconds)
+        pieces = self._pieces
+        if kind == "anchor":  # the layout is checked on every rank before anything is uploaded
+            per_rank: list[list[Piece]] = [[] for _ in range(self.world)]
+            dist.all_gather_object(per_rank, list(raw.values()), group=self._group)
+            self._layout = validate(per_rank)
+            self._dense_bytes = sum(ps[0].tensor_bytes for ps in self._layout.values())
+            pieces = {p.name: p for ps in self._layout.values() for p in ps if p.rank == self.rank}
+            self._raw, self._keep = raw, frozenset(pieces)
+        t0 = time.perf_counter()
+        try:
+            part = self._run(self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
+        except PulseSyncError as e:
+            part = _Part(self.rank, error=f"{type(e).__name__}: {e}")
+        report.encode_s = time.perf_counter() - t0
+        report.wire_bytes = sum(ref.size for ref in part.objects)
+        report.changed_elements = part.changed
+        gathered: list[_Part | None] = [None] * self.world
+        dist.all_gather_object(gathered, part, group=self._group)
+        t1 = time.perf_counter()
+        outcome = [self._commit_on_root(snap, kind, [p for p in gathered if p is not None]) if self.rank == 0 else None]
+        dist.broadcast_object_list(outcome, src=self._root_rank, group=self._group)
+        done = outcome[0]
+        assert isinstance(done, _Outcome)
+        report.commit_s = time.perf_counter() - t1
+        report.ok = done.committed
+        report.error = done.error or None
+        self.reports.append(report)
+        report.record()
+        if done.fatal is not None:
+            raise done.fatal
+        if not done.committed:
+            self._anchor_next = True  # the next step starts a sound chain again
+            log.error("step %d: %s not committed on any rank (%s)", snap.step, kind, done.error)
+            return False
+        self._base, self._pieces, self._base_root, self._base_step = snap, pieces, done.root, snap.step
+        self._anchor_next = False
+        if kind == "anchor":
+            self._schedule.anchor_started()
+            self._schedule.anchor_committed(snap.step)
+        else:
+            self._schedule.patch_committed(done.wire_bytes)
+        return True
+
+    async def _patch_part(self, snap: _Snapshot) -> _Part:
+        """Encode this rank's pieces against its baseline and upload the part."""
+        assert self._base is not None
+        encoded = await asyncio.to_thread(
+            encode_part,
+            self._base.tensors,
+            snap.tensors,
+            self._pieces,
+            self.config.codec,
+            part=self.rank,
+            base_root=self._base_root,
+            dense_bytes_total=self._dense_bytes,
+        )
+        key = layout.part_key(snap.step, self.run_id, self.rank)
+        await self.store.put(key, encoded.data)
+        ref = ObjectRef.for_bytes(key, encoded.data)
+        return _Part(self.rank, "", [ref], list(encoded.lanes.items()), encoded.changed_elements, encoded.codings)
+
+    async def _anchor_part(self, snap: _Snapshot, pieces: dict[str, Piece]) -> _Part:
+        """Write this rank's pieces as its file of the anchor and upload it."""
+        if not pieces:
+            return _Part(self.rank)
+        if missing := sorted(set(pieces) - set(snap.tensors)):
+            raise PulseSyncError(f"anchor {snap.step}: rank {self.rank} owns {missing[0]!r} but did not copy it")
+        sums = [(n, await asyncio.to_thread(_piece_sums, p, snap.tensors[n])) for n, p in sorted(pieces.items())]
+        name = PIECES_FILE.format(rank=self.rank, world=self.world)
+        with tempfile.TemporaryDirectory(prefix=f"pulsesync-pieces-{snap.step}-", dir=self.config.spool_dir) as spool:
+            path = Path(spool) / name
+            places = {n: (p.start, list(p.shape)) for n, p in pieces.items()}
+            try:
+                await asyncio.to_thread(write_pieces, path, {n: snap.tensors[n] for n in pieces}, places)
+            except OSError as e:
+                raise PulseSyncError(f"anchor {snap.step}: cannot write {path} ({e})") from e
+            done = await self.store.upload_file(layout.anchor_dir(snap.step, self.run_id) + name, path)
+        ref = ObjectRef(key=done.key, size=done.size, sha256=done.sha256)
+        return _Part(self.rank, "", [ref], sums, sum(p.length for p in pieces.values()))
+
+    # --- rank 0: the commit ----------------------------------------------------------------------
+    def _commit_on_root(self, snap: _Snapshot, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
+        failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
+        if failed:
+            return _Outcome(False, "; ".join(failed))
+        try:
+            return self._run(self._commit(snap, kind, sorted(parts, key=lambda p: p.rank)))
+        except ConflictError as e:
+            return _Outcome(False, str(e), fatal=e)
+        except PulseSyncError as e:
+            return _Outcome(False, f"{type(e).__name__}: {e}")
+
+    async def _commit(self, snap: _Snapshot, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
+        assert self._key is not None and self._guard is not None and self._chain is not None
+        lanes = [lane for p in parts for lane in p.lanes]
+        first = {name: pieces[0] for name, pieces in self._layout.items()}
+        dense = self._dense_bytes
+        wire = sum(ref.size for p in parts for ref in p.objects)
+        changed = sum(p.changed for p in parts)
+        sizes = Sizes(dense_bytes=dense, wire_bytes=wire, changed_elements=changed)
+        if kind == "anchor":
+            kinds = {name: (p.dtype, p.shape) for name, p in first.items()}
+            digest = summed_digest(self.config.codec.digest_algorithm, kinds, lanes)
+            refs = [ref for p in parts for ref in p.objects]
+            prefix = layout.anchor_dir(snap.step, self.run_id)
+            self._files |= snap.files
+            for name, data in sorted(self._files.items()):
+                await self.store.put(prefix + name, data)
+                refs.append(ObjectRef.for_bytes(prefix + name, data))
+            manifest: Any = anchor_manifest(snap.step, refs, digest, sizes, shards=len(parts))
+        else:
+            assert self._digest is not None
+            digest = moved_digest(self._digest, lanes)
+            base = VerifiedState(self._base_step, {}, self._digest)
+            objects = [p.objects[0] for p in parts]
+            codings: dict[str, int] = {}
+            for p in parts:
+                for coding, n in p.codings.items():
+                    codings[coding] = codings.get(coding, 0) + n
+            anchor_step, params = self._schedule.anchor_step, self.config.codec
+            records = dict(sorted(codings.items()))
+            manifest = patch_manifest(snap.step, base, anchor_step, objects, digest, sizes, params, None, records)
+        await self._guard.check(snap.step)
+        self._guard.wrote(layout.ready_key(snap.step, kind))
+        await write_ready_marker(self.store, manifest.model_copy(update={"stream_id": self.stream_id}), self._key)
+        self._digest = digest
+        log.info("step %d: %s committed from %d ranks (digest %s)", snap.step, kind, len(parts), digest.root)
+        return _Outcome(True, root=digest.root, wire_bytes=wire)

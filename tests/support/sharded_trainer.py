@@ -1,0 +1,180 @@
+"""A tiny Llama trained with AdamW under torchrun (gloo, CPU), published every step from every rank.
+
+    torchrun --nproc-per-node N tests/support/sharded_trainer.py OUT --key KEY --layouts fsdp2,uneven,...
+
+Per layout, each rank publishes its own `state_dict()` to file://OUT/<layout>/store through
+`pulsesync.publisher.Publisher` (a ShardedPublisher on several ranks); rank 0 also saves the
+whole model of every step to OUT/<layout>/full-<step>.safetensors, for the test to compare with
+(the gather there is the test's, never the publisher's). Layouts:
+
+  fsdp2     FSDP2 `fully_shard` on every decoder layer and the root: DTensors, Shard(0)
+  uneven    the same with dimensions no world size divides (vocab 101, intermediate 97)
+  columns   a DTensor layout: every matrix Shard(0) (column-wise), vectors Replicate
+  pipeline  plain tensors, disjoint: rank r holds the layers i with i % world == r (embeddings on
+            rank 0, the head and final norm on the last rank), as pipeline stages do
+  experts   plain tensors: each rank owns the MLPs ("experts") of its layers whole; attention and
+            embeddings are held by every rank and declared owned by rank 0 (None elsewhere)
+
+With --kill-step K, rank 1 dies in the middle of step K (its publish queued, then os._exit) and
+the job fails. With --first-step S, a restarted job trains again from the seed and publishes from
+step S on (a scheduler's relaunch of the job; torchrun's in-place --max-restarts could not
+re-create gloo's process group on this machine, docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pulsesync.publisher import Publisher, PublisherConfig
+from pulsesync.sharding import Rows
+from pulsesync.store import FileStore
+
+
+def tiny_llama(uneven: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=101 if uneven else 128,
+        hidden_size=64,
+        intermediate_size=97 if uneven else 128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def batches(steps: int, vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (2, 16), generator=g) for _ in range(steps)]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model (test only: FSDP2's DTensors gathered)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = t.detach().clone().contiguous()
+    return out
+
+
+@functools.cache
+def _mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What this rank hands the publisher for a layout, and the declarations of plain tensors."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    state = model.state_dict()
+    if layout in ("fsdp2", "uneven"):
+        return state, {}
+    if layout == "columns":
+        mesh = _mesh(world)
+        placed = {
+            n: distribute_tensor(t.detach(), mesh, [Shard(0) if t.dim() == 2 else Replicate()])
+            for n, t in state.items()
+        }
+        return placed, {}
+
+    def layer_of(name: str) -> int | None:
+        parts = name.split(".")
+        return int(parts[2]) if name.startswith("model.layers.") else None
+
+    if layout == "pipeline":
+        mine = {}
+        for name, t in state.items():
+            i = layer_of(name)
+            owner = (i % world) if i is not None else 0 if "embed_tokens" in name else world - 1
+            if owner == rank:
+                mine[name] = t
+        return mine, {}
+    assert layout == "experts"
+    declared: dict[str, Rows | None] = {}
+    for name in state:
+        i = layer_of(name)
+        expert = i is not None and ".mlp." in name
+        owner = (i % world) if expert and i is not None else 0
+        if owner != rank:
+            declared[name] = None
+    return state, declared
+
+
+def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: int | None, first: int) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_llama(layout == "uneven")
+    if layout in ("fsdp2", "uneven"):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = _mesh(world)
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    root = out / layout
+    config = PublisherConfig(signing_key=key, anchor_interval=3, on_backpressure="block")
+    publisher = None
+    for step, ids in enumerate(batches(steps, model.config.vocab_size)):
+        if step:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step < first:
+            continue
+        if publisher is None:
+            publisher = Publisher(
+                config, store=FileStore(root / "store"), declared=published_view(layout, model, rank, world)[1]
+            )
+        state, _ = published_view(layout, model, rank, world)
+        full = full_state(model)  # a collective for FSDP2: every rank takes part
+        if rank == 0:
+            save_file(full, str(root / f"full-{step}.safetensors"))
+        publisher.publish(step, state)
+        if step == kill_step and rank == 1:
+            os._exit(1)  # mid-step: the part may or may not be uploaded, the gather never happens
+        publisher.flush()
+    assert publisher is not None
+    publisher.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--key", type=Path, required=True)
+    parser.add_argument("--layouts", default="fsdp2,uneven,columns,pipeline,experts")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--kill-step", type=int)
+    parser.add_argument("--first-step", type=int, default=0)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    try:
+        for layout in args.layouts.split(","):
+            if dist.get_rank() == 0:
+                (args.out / layout).mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            train_and_publish(layout, args.out, args.key, args.steps, args.kill_step, args.first_step)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

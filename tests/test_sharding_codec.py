@@ -1,0 +1,148 @@
+"""Sharded patches (pure): parts of a step, each encoded from one rank's pieces, apply to the whole state
+bit for bit and compose to the digest of an unsharded publish; layouts are validated across ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pulsesync.codec import CodecParams, apply_parts, apply_patch, encode, encode_part
+from pulsesync.digest import state_digest
+from pulsesync.errors import ConfigError, CorruptPatchError, IntegrityError
+from pulsesync.sharding import Piece, Rows, local_pieces, validate
+from tests.support.helpers import assert_states_equal, clone_state, mutate, trainer_states
+
+
+def split_rows(state: dict[str, torch.Tensor], world: int) -> list[dict[str, Rows | None]]:
+    """Per rank, a declaration of uneven dim-0 row ranges (the last rank gets the remainder)."""
+    per_rank: list[dict[str, Rows | None]] = [{} for _ in range(world)]
+    for name, t in state.items():
+        rows = t.shape[0]
+        bounds = [min(rows, (rows // world + 1) * r) for r in range(world)] + [rows]
+        for r in range(world):
+            a, b = bounds[r], bounds[r + 1]
+            per_rank[r][name] = Rows(a, b, tuple(t.shape)) if b > a else None
+    return per_rank
+
+
+def rank_view(state: dict[str, torch.Tensor], declared: dict[str, Rows | None]) -> dict[str, torch.Tensor]:
+    """What one rank holds: its declared rows (views), or the whole tensor where nothing is declared."""
+    held = {}
+    for name, t in state.items():
+        rows = declared.get(name, "whole")
+        if rows is None:
+            continue
+        held[name] = t if rows == "whole" else t[rows.start : rows.stop]
+    return held
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parts_compose_to_the_unsharded_patch_bit_for_bit(world: int) -> None:
+    states = trainer_states(4)
+    base, new = states[2], states[3]
+    declared = split_rows(base, world)
+    params = CodecParams()
+    base_digest = state_digest(base)
+    parts, per_rank = [], []
+    for rank in range(world):
+        pieces, old_local = local_pieces(rank_view(base, declared[rank]), rank, declared[rank])
+        _, new_local = local_pieces(rank_view(new, declared[rank]), rank, declared[rank])
+        per_rank.append(list(pieces.values()))
+        part = encode_part(
+            old_local, new_local, pieces, params, part=rank, base_root=base_digest.root, dense_bytes_total=0
+        )
+        parts.append(part.data)
+    layout = validate(per_rank)
+    assert set(layout) == set(base)
+    held = clone_state(base)
+    got = apply_parts(held, parts, base_digest=base_digest)
+    assert_states_equal(held, new)
+    unsharded = encode(base, new, params)
+    assert got.root == unsharded.digest.root == state_digest(new).root
+
+
+def test_a_part_never_applies_alone_out_of_order_or_against_another_base() -> None:
+    states = trainer_states(4)
+    base, new = states[1], states[2]
+    params = CodecParams()
+    digest = state_digest(base)
+    names = sorted(base)
+    halves = [{n: base[n] for n in names[::2]}, {n: base[n] for n in names[1::2]}]
+    parts = []
+    for rank, held in enumerate(halves):
+        pieces, old_local = local_pieces(held, rank)
+        parts.append(
+            encode_part(
+                old_local,
+                {n: new[n] for n in held},
+                pieces,
+                params,
+                part=rank,
+                base_root=digest.root,
+                dense_bytes_total=0,
+            ).data
+        )
+    with pytest.raises(CorruptPatchError, match="part 0 of a sharded step"):
+        apply_patch(clone_state(base), parts[0], base_digest=digest)
+    with pytest.raises(CorruptPatchError, match="says part 1"):
+        apply_parts(clone_state(base), parts[::-1], base_digest=digest)
+    with pytest.raises(IntegrityError, match="made against state digest"):
+        apply_parts(clone_state(new), parts, base_digest=state_digest(new))
+    # A whole (non-part) patch in a part's place is refused before anything is written.
+    whole = encode(base, new, params).data
+    held = clone_state(base)
+    with pytest.raises(CorruptPatchError):
+        apply_parts(held, [whole, parts[1]], base_digest=digest)
+    assert_states_equal(held, base)
+
+
+def test_layout_validation_names_overlaps_gaps_and_disagreements() -> None:
+    t = torch.zeros(10, 4, dtype=torch.bfloat16)
+    ok = [[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 24, 16, (10, 4), "bfloat16", 1)]]
+    assert [p.rank for p in validate(ok)["w"]] == [0, 1]
+    with pytest.raises(ConfigError, match="overlap at element 20"):
+        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 20, 20, (10, 4), "bfloat16", 1)]])
+    with pytest.raises(ConfigError, match=r"elements 24\.\.28 are owned by no rank"):
+        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 28, 12, (10, 4), "bfloat16", 1)]])
+    with pytest.raises(ConfigError, match=r"elements 24\.\.40 are owned by no rank"):
+        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], []])
+    with pytest.raises(ConfigError, match="disagree on shape/dtype"):
+        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 24, 16, (10, 4), "float32", 1)]])
+    # A plain tensor held whole by several ranks is replicated: the lowest rank publishes it.
+    replicas = validate([list(local_pieces({"w": t}, r)[0].values()) for r in (2, 0, 1)])
+    assert [(p.rank, p.start, p.length) for p in replicas["w"]] == [(0, 0, 40)]
+    with pytest.raises(ConfigError, match=r"overlap at element 0 \(declare what a rank holds"):
+        validate([list(local_pieces({"w": t}, 0)[0].values()), [Piece("w", 0, 24, (10, 4), "bfloat16", 1)]])
+    with pytest.raises(ConfigError, match="do not describe"):
+        local_pieces({"w": t[:3]}, 0, {"w": Rows(0, 4, (10, 4))})
+
+
+def test_a_piece_at_an_offset_with_dense_chunks_applies_to_the_whole_tensor() -> None:
+    """DENSE records inside a piece that starts mid-tensor and mid-chunk: global starts, bit-exact."""
+    rng = np.random.default_rng(0)
+    shape = (64, 96)
+    whole = torch.from_numpy(rng.integers(0, 2**16, shape, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    rows = Rows(37, 64, shape)
+    old = whole[37:].clone()
+    new = torch.cat([mutate(rng, old[:11], 0.9), mutate(rng, old[11:], 0.01)])  # dense, then sparse chunks
+    pieces, old_local = local_pieces({"w": old}, 1, {"w": rows})
+    _, new_local = local_pieces({"w": new}, 1, {"w": rows})
+    assert pieces["w"].start == 37 * 96
+    digest = state_digest({"w": whole})
+    part = encode_part(
+        old_local,
+        new_local,
+        pieces,
+        CodecParams(chunk_elements=1024),
+        part=0,
+        base_root=digest.root,
+        dense_bytes_total=0,
+    )
+    assert any(k.startswith("DENSE/") for k in part.codings) and any(k.startswith("SPARSE/") for k in part.codings)
+    held = {"w": whole.clone()}
+    got = apply_parts(held, [part.data], base_digest=digest)
+    expected = whole.clone()
+    expected[37:] = new
+    assert_states_equal(held, {"w": expected})
+    assert got.root == state_digest({"w": expected}).root
