@@ -241,6 +241,40 @@ def subscriber(doc: dict[str, Any], out: Path) -> list[Path]:
     return [_save(fig, out / "subscriber-fast-path.png")]
 
 
+def sharded(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Per world size: the publish pipeline per step against one rank's, and each rank's peak memory per shard."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs = sorted(doc["runs"].values(), key=lambda r: r["world"])
+    worlds = [str(r["world"]) for r in runs]
+    base = runs[0]["pipeline_s"]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 3.6))
+    speed.bar(worlds, [r["pipeline_s"] * 1000 for r in runs], color="C0")
+    for i, r in enumerate(runs):
+        speed.annotate(
+            f"{base / r['pipeline_s']:.2f}x", (i, r["pipeline_s"] * 1000), ha="center", va="bottom", fontsize=8
+        )
+    speed.set_xlabel("ranks")
+    speed.set_ylabel("ms per step (critical path)")
+    speed.set_title("diff + encode + upload + commit per patch step", fontsize=9)
+    width = 0.38
+    xs = range(len(runs))
+    memory.bar([x - width / 2 for x in xs], [r["peak_over_shard"] for r in runs], width, label="fixed mmap threshold")
+    default = [r["peak_over_shard_default_malloc"] for r in runs]
+    memory.bar([x + width / 2 for x in xs], default, width, color="C7", label="glibc default")
+    memory.axhline(2.3, color="C3", linestyle="--", linewidth=1, label="contract 2.3x")
+    memory.set_xticks(list(xs), worlds)
+    memory.set_xlabel("ranks")
+    memory.set_ylabel("peak resident / shard")
+    memory.legend(fontsize=8)
+    memory.set_title("each rank's peak memory while publishing", fontsize=9)
+    for ax in (speed, memory):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"bench/sharded.py: {runs[0]['parameters'] / 1e6:.0f}M parameters, codec threads 1 per rank", fontsize=10
+    )
+    return [_save(fig, out / "sharded.png")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--codec", type=Path, metavar="JSON", help="bench/codec.py --json output")
@@ -248,9 +282,17 @@ def main() -> None:
     parser.add_argument("--store", type=Path, metavar="JSON", help="bench/store.py --json output")
     parser.add_argument("--publish", type=Path, metavar="JSON", help="bench/publish.py --json output")
     parser.add_argument("--subscriber", type=Path, metavar="JSON", help="bench/subscriber.py --json output")
+    parser.add_argument("--sharded", type=Path, metavar="JSON", help="bench/sharded.py --json output")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
     args = parser.parse_args()
-    plotters = {"codec": codec, "scale": scale, "store": store, "publish": publish, "subscriber": subscriber}
+    plotters = {
+        "codec": codec,
+        "scale": scale,
+        "store": store,
+        "publish": publish,
+        "subscriber": subscriber,
+        "sharded": sharded,
+    }
     written = []
     for name, plot in plotters.items():
         if path := getattr(args, name):

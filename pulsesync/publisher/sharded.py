@@ -48,6 +48,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import ObjectRef, Sizes
 from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.publisher.host_copy import HostCopyPool
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
 from pulsesync.publisher.pipeline import FileSource, read_files
 from pulsesync.publisher.report import StepReport
@@ -90,12 +91,6 @@ class _Snapshot:
     tensors: dict[str, torch.Tensor]  # this rank's pieces, copied to host memory
     files: dict[str, bytes]
     seconds: float
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of a local shard (a device tensor's transfer is already a copy)."""
-    t = t.detach()
-    return t.clone() if t.device.type == "cpu" else t.to("cpu")
 
 
 def _piece_sums(piece: Piece, t: torch.Tensor) -> tuple[int, int]:
@@ -155,6 +150,7 @@ class ShardedPublisher:
         self._anchor_next = True
         self._fatal: BaseException | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.max_pending)
+        self._pool = HostCopyPool(keep=1)  # the baseline's and the next copy's buffers, recycled: no allocator churn
         self._chain: ChainClient | None = None
         self._dense_bytes = 0  # of the whole model, from the layout
         self._files = read_files({p.name: p for p in config.extra_files})  # rank 0: what anchors carry
@@ -192,7 +188,12 @@ class ShardedPublisher:
 
     # --- the trainer's side ----------------------------------------------------------------------
     def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
-        """Copy this rank's pieces to host memory and queue the step; blocks while `max_pending` steps wait."""
+        """Copy this rank's pieces to host memory once the previous step is committed, and queue the step.
+
+        Waiting for the previous step bounds a rank at its baseline plus one copy (2x its shard):
+        its pipeline is a world's share of the model's, so the wait is short.
+        """
+        self._queue.join()
         self._raise_fatal()
         if step <= self._last_step:
             raise ConflictError(
@@ -204,7 +205,7 @@ class ShardedPublisher:
         # Replicas another rank publishes are not copied (the layout of the last anchor says which).
         keep, raw = self._keep, self._raw
         held = {n: t for n, t in tensors.items() if keep is None or pieces != raw or n in keep}
-        snap = _Snapshot(step, {n: _host(t) for n, t in held.items()}, read_files(files), 0.0)
+        snap = _Snapshot(step, self._pool.copy(held), read_files(files), 0.0)
         snap.seconds = time.perf_counter() - t0
         self._last_step = step
         self._queue.put((snap, pieces))
@@ -254,6 +255,8 @@ class ShardedPublisher:
             try:
                 if self._fatal is None:
                     self._publish_step(snap, pieces)
+                if self._base is not snap:  # failed or not run: nothing holds it
+                    self._pool.release(snap.tensors)
             except PulseSyncError as e:
                 self._fatal = e
                 log.error("step %d: rank %d stops publishing (%s: %s)", snap.step, self.rank, type(e).__name__, e)
@@ -315,6 +318,8 @@ class ShardedPublisher:
             self._anchor_next = True  # the next step starts a sound chain again
             log.error("step %d: %s not committed on any rank (%s)", snap.step, kind, done.error)
             return False
+        if self._base is not None and self._base is not snap:
+            self._pool.release(self._base.tensors)
         self._base, self._pieces, self._base_root, self._base_step = snap, pieces, done.root, snap.step
         self._anchor_next = False
         if kind == "anchor":
