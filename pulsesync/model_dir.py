@@ -26,7 +26,7 @@ WEIGHT_SUFFIX = ".safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_NAME = re.compile(r"-\d{5}-of-(\d{5})\.safetensors$")  # HF shard names: the index must follow
 PIECES_FILE = "pieces-{rank:05d}-of-{world:05d}.safetensors"  # a sharded anchor: one per rank
-PIECES_METADATA = "pulsesync.pieces"  # JSON {name: [flat start, global shape]} of a pieces file's tensors
+PIECES_METADATA = "pulsesync.pieces"  # JSON {name: [flat start, global shape, runs, stride]} of a pieces file's tensors
 
 
 def write_model_dir(state: State, out_dir: Path, shard_size: int, files: Mapping[str, bytes]) -> list[str]:
@@ -41,8 +41,11 @@ def write_model_dir(state: State, out_dir: Path, shard_size: int, files: Mapping
     return weights + sorted(files)
 
 
-def write_pieces(path: Path, tensors: Mapping[str, torch.Tensor], places: Mapping[str, tuple[int, list[int]]]) -> None:
-    """One rank's pieces of a sharded anchor: local tensors, and where each sits in its global tensor."""
+def write_pieces(
+    path: Path, tensors: Mapping[str, torch.Tensor], places: Mapping[str, tuple[int, list[int], int, int]]
+) -> None:
+    """One rank's pieces of a sharded anchor: local tensors, and where each sits in its global tensor
+    (flat start, global shape, runs, stride)."""
     metadata = {"format": "pt", PIECES_METADATA: json.dumps(dict(places), sort_keys=True, separators=(",", ":"))}
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(path), metadata=metadata)
 

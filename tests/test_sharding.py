@@ -86,7 +86,7 @@ async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expe
 
 @pytest.mark.parametrize(
     ("nproc", "layouts"),
-    [(2, "fsdp2,uneven,columns,pipeline,experts"), (4, "fsdp2,uneven,pipeline,experts")],
+    [(2, "fsdp2,uneven,tp,pipeline,experts"), (4, "fsdp2,uneven,tp,pipeline,experts")],
 )
 async def test_every_layout_publishes_from_every_rank_and_subscribers_see_the_whole_model(
     tmp_path: Path, nproc: int, layouts: str

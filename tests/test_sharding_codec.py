@@ -99,21 +99,21 @@ def test_a_part_never_applies_alone_out_of_order_or_against_another_base() -> No
 
 def test_layout_validation_names_overlaps_gaps_and_disagreements() -> None:
     t = torch.zeros(10, 4, dtype=torch.bfloat16)
-    ok = [[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 24, 16, (10, 4), "bfloat16", 1)]]
+    ok = [[Piece("w", 0, 24, (10, 4), "BF16", 0)], [Piece("w", 24, 16, (10, 4), "BF16", 1)]]
     assert [p.rank for p in validate(ok)["w"]] == [0, 1]
     with pytest.raises(ConfigError, match="overlap at element 20"):
-        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 20, 20, (10, 4), "bfloat16", 1)]])
+        validate([[Piece("w", 0, 24, (10, 4), "BF16", 0)], [Piece("w", 20, 20, (10, 4), "BF16", 1)]])
     with pytest.raises(ConfigError, match=r"elements 24\.\.28 are owned by no rank"):
-        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 28, 12, (10, 4), "bfloat16", 1)]])
+        validate([[Piece("w", 0, 24, (10, 4), "BF16", 0)], [Piece("w", 28, 12, (10, 4), "BF16", 1)]])
     with pytest.raises(ConfigError, match=r"elements 24\.\.40 are owned by no rank"):
-        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], []])
+        validate([[Piece("w", 0, 24, (10, 4), "BF16", 0)], []])
     with pytest.raises(ConfigError, match="disagree on shape/dtype"):
-        validate([[Piece("w", 0, 24, (10, 4), "bfloat16", 0)], [Piece("w", 24, 16, (10, 4), "float32", 1)]])
+        validate([[Piece("w", 0, 24, (10, 4), "BF16", 0)], [Piece("w", 24, 16, (10, 4), "F32", 1)]])
     # A plain tensor held whole by several ranks is replicated: the lowest rank publishes it.
     replicas = validate([list(local_pieces({"w": t}, r)[0].values()) for r in (2, 0, 1)])
     assert [(p.rank, p.start, p.length) for p in replicas["w"]] == [(0, 0, 40)]
     with pytest.raises(ConfigError, match=r"overlap at element 0 \(declare what a rank holds"):
-        validate([list(local_pieces({"w": t}, 0)[0].values()), [Piece("w", 0, 24, (10, 4), "bfloat16", 1)]])
+        validate([list(local_pieces({"w": t}, 0)[0].values()), [Piece("w", 0, 24, (10, 4), "BF16", 1)]])
     with pytest.raises(ConfigError, match="do not describe"):
         local_pieces({"w": t[:3]}, 0, {"w": Rows(0, 4, (10, 4))})
 
@@ -146,3 +146,70 @@ def test_a_piece_at_an_offset_with_dense_chunks_applies_to_the_whole_tensor() ->
     expected[37:] = new
     assert_states_equal(held, {"w": expected})
     assert got.root == state_digest({"w": expected}).root
+
+
+def test_dtensor_placements_become_pieces_and_a_split_of_two_dimensions_is_refused_by_name() -> None:
+    """Shard(0) and Replicate describe one run, Shard(1) one run per row; a split of two dimensions is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        t = torch.arange(40, dtype=torch.float32).reshape(10, 4).bfloat16()
+        state = {
+            "cols": distribute_tensor(t, mesh, [Shard(0)]),
+            "rows": distribute_tensor(t, mesh, [Shard(1)]),
+            "norm": distribute_tensor(t[0], mesh, [Replicate()]),
+        }
+        pieces, local = local_pieces(state, 0)
+        assert pieces["cols"] == Piece("cols", 0, 40, (10, 4), "BF16", 0) and pieces["norm"].length == 4
+        assert pieces["rows"] == Piece("rows", 0, 40, (10, 4), "BF16", 0, runs=10, stride=4)
+        assert torch.equal(local["cols"].view(torch.int16), t.view(torch.int16))
+        grid = init_device_mesh("cpu", (1, 1))
+        with pytest.raises(ConfigError, match=r"tensor 'both': split along dimensions \[0, 1\]"):
+            local_pieces({"both": distribute_tensor(t, grid, [Shard(0), Shard(1)])}, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_row_wise_parts_split_along_dim_1_compose_bit_for_bit(world: int) -> None:
+    """Row-wise tensor parallelism: each rank owns columns of every row (one run per row), uneven at 3."""
+    rng = np.random.default_rng(world)
+    rows, cols = 48, 100
+    base = {"o_proj": torch.from_numpy(rng.standard_normal((rows, cols), np.float32)).bfloat16()}
+    new = {"o_proj": mutate(rng, base["o_proj"], 0.05)}
+    new["o_proj"][:, 3] = mutate(rng, base["o_proj"][:, 3], 1.0)  # a column that changes everywhere
+    digest = state_digest(base)
+    params = CodecParams(chunk_elements=1024)  # chunks of ~10 rows: records group runs of several rows
+    size = -(-cols // world)
+    parts, per_rank = [], []
+    for rank in range(world):
+        a, b = rank * size, min(cols, (rank + 1) * size)
+        piece = Piece("o_proj", a, rows * (b - a), (rows, cols), "BF16", rank, runs=rows, stride=cols)
+        per_rank.append([piece])
+        old_local, new_local = base["o_proj"][:, a:b].contiguous(), new["o_proj"][:, a:b].contiguous()
+        part = encode_part(
+            {"o_proj": old_local},
+            {"o_proj": new_local},
+            {"o_proj": piece},
+            params,
+            part=rank,
+            base_root=digest.root,
+            dense_bytes_total=0,
+        )
+        assert not any(k.startswith("DENSE/") for k in part.codings)  # other ranks' columns share every chunk
+        parts.append(part.data)
+    validate(per_rank)
+    held = clone_state(base)
+    got = apply_parts(held, parts, base_digest=digest)
+    assert_states_equal(held, new)
+    assert got.root == state_digest(new).root
+    overlapping = [
+        [Piece("w", 0, 6, (3, 4), "BF16", 0, runs=3, stride=4)],
+        [Piece("w", 1, 9, (3, 4), "BF16", 1, runs=3, stride=4)],
+    ]
+    with pytest.raises(ConfigError, match="pieces overlap at element 1"):
+        validate(overlapping)

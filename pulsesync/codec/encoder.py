@@ -170,9 +170,23 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
         return None
     if count * (2 + info.width) >= length * info.width:
         return replace(_encode_dense(params, chunk, count), digest_change=_digest_change(params, chunk, None, old, new))
-    fields = (chunk.name, info, chunk.shape)
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
+    return _sparse_record(params, chunk, length, positions, old_values, new_values, reference)
+
+
+def _sparse_record(
+    params: CodecParams,
+    chunk: _Chunk,
+    length: int,
+    positions: np.ndarray,
+    old_values: torch.Tensor,
+    new_values: torch.Tensor,
+    reference: ChunkHistory | None,
+) -> _Record:
+    """SPARSE or HISTORY record of the changed elements at chunk-relative `positions` of a chunk of `length`."""
+    info, count = chunk.info, positions.size
+    fields = (chunk.name, info, chunk.shape)
     change = _digest_change(params, chunk, positions, old_values, new_values)
     position = _position_coding(params, positions)
     if not params.adaptive:
@@ -183,7 +197,7 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
         record = _record(params, replace(head, **position.fields, **value.fields), [position, value])
         return replace(record, digest_change=change)
     deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
-    history = (chunk.key, ChunkHistory(positions, deltas))
+    history = ((chunk.name, chunk.start, length), ChunkHistory(positions, deltas))
     zigzags = bits.zigzag(deltas)
     order = bits.magnitude_order(bits.host(old_values)) if info.is_float and info.width >= 2 else None
     values = [
@@ -407,7 +421,10 @@ def encode_part(
         piece, old_t, new_t = pieces[name], base[name], new[name]
         if old_t.dtype != new_t.dtype or old_t.numel() != piece.length or new_t.numel() != piece.length:
             raise ConfigError(f"tensor {name!r}: its dtype or size changed since the last anchor; publish an anchor")
-        tasks.extend(_chunk_tasks(params, name, old_t, new_t, None, piece.start, piece.shape))
+        if piece.runs == 1:
+            tasks.extend(_chunk_tasks(params, name, old_t, new_t, None, piece.start, piece.shape))
+        else:
+            tasks.extend(_strided_tasks(params, piece, old_t, new_t))
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     lanes: dict[str, tuple[int, int]] = {}
     for r in records:
@@ -454,6 +471,44 @@ def _assemble(
 def _removal(params: CodecParams, name: str) -> _Record:
     data = encode_record_header(RecordHeader(RecordKind.REMOVE, name, None), params.format_version)
     return _Record(data, 0, 0, wire=Counter(framing=len(data)))
+
+
+def _strided_tasks(
+    params: CodecParams, piece: Piece, old_t: torch.Tensor, new_t: torch.Tensor
+) -> list[Callable[[], _Record | None]]:
+    """SPARSE records of a piece of several runs (a split of dim 1 or later), one per global chunk it changed.
+
+    The runs of other ranks lie between this piece's, so a record never codes a whole chunk
+    (DENSE): it holds this piece's changed elements, at their global chunk positions.
+    """
+    info = dtype_info(old_t.dtype)
+    old, new = flat_bits(old_t), flat_bits(new_t)
+    local = _changed_positions(old, new)
+    if local.size == 0:
+        return []
+    where = piece.global_positions(local)
+    step = params.chunk_elements
+    chunk_of = where // step
+    bounds = np.flatnonzero(np.diff(chunk_of)) + 1
+    tasks: list[Callable[[], _Record | None]] = []
+    for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), local.size], strict=True):
+        start = int(chunk_of[lo]) * step
+        length = min(step, piece.numel - start)
+        index = torch.from_numpy(local[lo:hi]).to(old.device)
+        chunk = _Chunk(piece.name, info, piece.shape, start, old[:0], new[:0])
+        positions = where[lo:hi] - start
+        task = partial(
+            _sparse_record,
+            params,
+            chunk,
+            length,
+            positions,
+            old.index_select(0, index),
+            new.index_select(0, index),
+            None,
+        )
+        tasks.append(task)
+    return tasks
 
 
 def _chunk_tasks(

@@ -94,8 +94,11 @@ class _Snapshot:
 
 
 def _piece_sums(piece: Piece, t: torch.Tensor) -> tuple[int, int]:
-    """The mixsum-128 lanes of a piece's elements at their global flat indices."""
-    return mixsum.sum_range(mixsum.unsigned(flat_bits(t).numpy()), piece.start)
+    """The mixsum-128 lanes of a piece's elements at their global flat indices (run by run)."""
+    values, run, sums = mixsum.unsigned(flat_bits(t).numpy()), piece.run, (0, 0)
+    for k in range(piece.runs):
+        sums = mixsum.add(sums, mixsum.sum_range(values[k * run : (k + 1) * run], piece.start + k * piece.stride))
+    return sums
 
 
 class ShardedPublisher:
@@ -357,7 +360,7 @@ class ShardedPublisher:
         name = PIECES_FILE.format(rank=self.rank, world=self.world)
         with tempfile.TemporaryDirectory(prefix=f"pulsesync-pieces-{snap.step}-", dir=self.config.spool_dir) as spool:
             path = Path(spool) / name
-            places = {n: (p.start, list(p.shape)) for n, p in pieces.items()}
+            places = {n: (p.start, list(p.shape), p.runs, p.stride) for n, p in pieces.items()}
             try:
                 await asyncio.to_thread(write_pieces, path, {n: snap.tensors[n] for n in pieces}, places)
             except OSError as e:

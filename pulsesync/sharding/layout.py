@@ -1,10 +1,12 @@
 """Which part of each tensor a rank owns (pure): pieces from DTensors or declarations, checked across ranks.
 
-A piece is a contiguous run `[start, start + length)` of a tensor's flat C-order elements. That
-covers FSDP2 (`fully_shard`: `Shard(0)`), column-wise tensor parallelism (`Shard(0)`), uneven
-shards, pipeline stages and experts (whole tensors), replicated tensors (one owner) and any
-declared row range: a split of dim 0 is contiguous in C order. Splits of another dimension
-(row-wise `Shard(1)`) are not contiguous and are refused for now, naming the tensor.
+A piece is `runs` runs of `run` consecutive flat C-order elements of a tensor, the k-th starting
+at `start + k * stride`. A split of dim d of a tensor viewed as [P, S_d, Q] (P, Q the products of
+the dimensions before and after d) is P runs of s_d * Q elements, S_d * Q apart: one run for a
+split of dim 0 (FSDP2's `Shard(0)`, column-wise tensor parallelism, uneven shards, declared
+rows), P for row-wise tensor parallelism (`Shard(1)`). Whole tensors (pipeline stages, experts,
+replicas) are one run. The pieces of a tensor tile it when they share their stride and their
+first runs tile `[0, stride)`: `validate` checks that across ranks, `Assembly` in an anchor.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ _WIDTHS = {d.name: d.width for d in DTYPES}
 
 @dataclass(frozen=True, order=True)
 class Piece:
-    """The flat elements `[start, start + length)` of tensor `name` (global `shape`, `dtype`), owned by `rank`."""
+    """`length` elements of tensor `name` (global `shape`, `dtype`), owned by `rank`: `runs` runs of
+    `length // runs` elements at flat `start + k * stride` (one run: `[start, start + length)`)."""
 
     name: str
     start: int
@@ -33,11 +36,30 @@ class Piece:
     shape: tuple[int, ...]
     dtype: str
     rank: int = 0
+    runs: int = 1
+    stride: int = 0  # between run starts; 0 with one run
 
     @property
     def numel(self) -> int:
         """Elements of the whole tensor."""
         return math.prod(self.shape)
+
+    @property
+    def run(self) -> int:
+        """Consecutive elements per run."""
+        return self.length // self.runs
+
+    @property
+    def period(self) -> int:
+        """The span the pieces of a tensor tile with their first runs: the stride, or the whole tensor."""
+        return self.stride if self.runs > 1 else self.numel
+
+    def global_positions(self, local: Any) -> Any:
+        """Global flat indices of local flat indices (numpy int64 array)."""
+        if self.runs == 1:
+            return local + self.start
+        run = self.run
+        return self.start + (local // run) * self.stride + local % run
 
     @property
     def tensor_bytes(self) -> int:
@@ -71,23 +93,34 @@ def _dtensor_piece(name: str, t: Any) -> tuple[Piece, torch.Tensor] | None:
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the tensor's mesh
         return None
+    split = set()
     for dim, placement in enumerate(placements):
         if type(placement) is Replicate:
             if coordinate[dim] != 0:  # replicas: the first one publishes
                 return None
-        elif type(placement) is not Shard or placement.dim != 0:
+        elif type(placement) is Shard:
+            split.add(placement.dim)
+        else:
             raise ConfigError(
-                f"tensor {name!r}: placement {placement} is not contiguous in its flat elements; pulsesync publishes "
-                "Shard(0) and Replicate placements (redistribute it, or publish it whole from one rank)"
+                f"tensor {name!r}: placement {placement} is not a split of one dimension; pulsesync publishes Shard "
+                "and Replicate placements (redistribute it, or publish it whole from one rank)"
             )
+    if len(split) > 1:
+        raise ConfigError(
+            f"tensor {name!r}: split along dimensions {sorted(split)}; pulsesync publishes splits of one dimension"
+        )
     local = t.to_local()
     shape = tuple(t.shape)
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     if math.prod(local_shape) == 0:
         return None
-    inner = math.prod(shape[1:])
-    start = offset[0] * inner if shape else 0
-    return Piece(name, start, math.prod(local_shape), shape, dtype_info(t.dtype).name), local
+    d = split.pop() if split else 0
+    outer, inner = math.prod(shape[:d]), math.prod(shape[d + 1 :])
+    start, length = (offset[d] * inner if shape else 0), math.prod(local_shape)
+    info = dtype_info(t.dtype).name
+    if outer == 1:
+        return Piece(name, start, length, shape, info), local
+    return Piece(name, start, length, shape, info, runs=outer, stride=shape[d] * inner), local
 
 
 def local_pieces(
@@ -147,25 +180,36 @@ def validate(per_rank: list[list[Piece]]) -> dict[str, list[Piece]]:
         if len(kinds) > 1:
             problems.append(f"{name!r}: ranks disagree on shape/dtype {sorted(kinds)}")
             continue
-        at = 0
-        for p in pieces:
-            if p.start < at:
-                problems.append(
-                    f"{name!r}: ranks {sorted({q.rank for q in pieces})} overlap at element {p.start} (declare what a "
-                    "rank holds of a plain tensor: Rows, or None where another rank owns it)"
-                )
-                break
-            if p.start > at:
-                problems.append(f"{name!r}: elements {at}..{p.start} are owned by no rank")
-                break
-            at = p.start + p.length
-        else:
-            if at != pieces[0].numel:
-                problems.append(f"{name!r}: elements {at}..{pieces[0].numel} are owned by no rank")
+        if problem := tiling_problem([(p.start, p.run, p.period, p.runs) for p in pieces], pieces[0].numel):
+            ranks = sorted({p.rank for p in pieces})
+            hint = " (declare what a rank holds of a plain tensor: Rows, or None where another rank owns it)"
+            problems.append(f"{name!r}: ranks {ranks}: {problem}" + (hint if "overlap" in problem else ""))
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ConfigError("sharded layout: " + "; ".join(problems[:5]) + more)
     return by_name
+
+
+def tiling_problem(runs: list[tuple[int, int, int, int]], numel: int) -> str | None:
+    """Why pieces given as (start, run, period, runs) do not tile a tensor of `numel` elements, or None.
+
+    They tile when they share their period, repeat over the whole tensor (period * runs = numel),
+    and their first runs `[start, start + run)` tile `[0, period)`.
+    """
+    shapes = {(period, count) for _, _, period, count in runs}
+    if len(shapes) > 1:
+        return f"pieces of different strides {sorted(shapes)}"
+    period, count = shapes.pop()
+    if period * count != numel:
+        return f"pieces repeat {count} times every {period} elements, not over {numel}"
+    at = 0
+    for start, run, _, _ in sorted(runs):
+        if start < at:
+            return f"pieces overlap at element {start}"
+        if start > at:
+            return f"elements {at}..{start} are owned by no rank"
+        at = start + run
+    return None if at == period else f"elements {at}..{period} are owned by no rank"
 
 
 class Assembly:
@@ -178,17 +222,17 @@ class Assembly:
     def __init__(self, where: str) -> None:
         self.where = where
         self.state: dict[str, torch.Tensor] = {}
-        self._covered: dict[str, list[tuple[int, int]]] = {}
+        self._covered: dict[str, list[tuple[int, int, int, int]]] = {}  # (start, run, period, runs) per piece
 
     def add(self, tensors: Mapping[str, torch.Tensor], metadata: str) -> None:
-        """Place one file's tensors where its metadata (`{name: [start, shape]}`, JSON) says."""
+        """Place one file's tensors where its metadata (`{name: [start, shape, runs, stride]}`, JSON) says."""
         try:
             places = json.loads(metadata)
             assert isinstance(places, dict) and set(places) == set(tensors)
-            parsed = {n: (int(v[0]), tuple(int(d) for d in v[1])) for n, v in places.items()}
+            parsed = {n: (int(v[0]), tuple(int(d) for d in v[1]), int(v[2]), int(v[3])) for n, v in places.items()}
         except (ValueError, TypeError, IndexError, AssertionError, RecursionError):
             raise IntegrityError(f"{self.where}: a pieces file's metadata does not describe its tensors") from None
-        for name, (start, shape) in parsed.items():
+        for name, (start, shape, runs, stride) in parsed.items():
             local = tensors[name]
             whole = self.state.get(name)
             if whole is None:
@@ -197,19 +241,18 @@ class Assembly:
                 whole = self.state[name] = torch.empty(shape, dtype=local.dtype)
             if whole.dtype != local.dtype or tuple(whole.shape) != shape:
                 raise IntegrityError(f"{self.where}: the pieces of tensor {name!r} disagree on its shape or dtype")
-            if not 0 <= start <= start + local.numel() <= whole.numel():
+            run = local.numel() // max(runs, 1)
+            end = start + (runs - 1) * stride + run
+            shaped = runs >= 1 and run * runs == local.numel() and (runs == 1 or stride >= run)
+            if not shaped or not 0 <= start <= end <= whole.numel():
                 raise IntegrityError(f"{self.where}: a piece of tensor {name!r} lies outside it")
-            whole.view(-1)[start : start + local.numel()] = local.reshape(-1)
-            self._covered.setdefault(name, []).append((start, local.numel()))
+            whole.view(-1).as_strided((runs, run), (stride, 1), start).copy_(local.reshape(runs, run))
+            period = stride if runs > 1 else whole.numel()
+            self._covered.setdefault(name, []).append((start, run, period, runs))
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The whole tensors; IntegrityError unless every element came from exactly one piece."""
         for name, runs in self._covered.items():
-            at = 0
-            for start, length in sorted(runs):
-                if start != at:
-                    raise IntegrityError(f"{self.where}: the pieces of tensor {name!r} overlap or leave a gap at {at}")
-                at += length
-            if at != self.state[name].numel():
-                raise IntegrityError(f"{self.where}: the pieces of tensor {name!r} end at element {at}")
+            if problem := tiling_problem(runs, self.state[name].numel()):
+                raise IntegrityError(f"{self.where}: tensor {name!r}: {problem}")
         return self.state

@@ -9,7 +9,8 @@ whole model of every step to OUT/<layout>/full-<step>.safetensors, for the test 
 
   fsdp2     FSDP2 `fully_shard` on every decoder layer and the root: DTensors, Shard(0)
   uneven    the same with dimensions no world size divides (vocab 101, intermediate 97)
-  columns   a DTensor layout: every matrix Shard(0) (column-wise), vectors Replicate
+  tp        a tensor-parallel DTensor layout: q/k/v, gate/up, embeddings and head Shard(0)
+            (column-wise), o_proj and down_proj Shard(1) (row-wise), norms Replicate
   pipeline  plain tensors, disjoint: rank r holds the layers i with i % world == r (embeddings on
             rank 0, the head and final norm on the last rank), as pipeline stages do
   experts   plain tensors: each rank owns the MLPs ("experts") of its layers whole; attention and
@@ -85,13 +86,15 @@ def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -
     state = model.state_dict()
     if layout in ("fsdp2", "uneven"):
         return state, {}
-    if layout == "columns":
+    if layout == "tp":
         mesh = _mesh(world)
-        placed = {
-            n: distribute_tensor(t.detach(), mesh, [Shard(0) if t.dim() == 2 else Replicate()])
-            for n, t in state.items()
-        }
-        return placed, {}
+
+        def placement(name: str, t: torch.Tensor) -> Any:
+            if t.dim() == 1:
+                return Replicate()
+            return Shard(1) if name.endswith(("o_proj.weight", "down_proj.weight")) else Shard(0)
+
+        return {n: distribute_tensor(t.detach(), mesh, [placement(n, t)]) for n, t in state.items()}, {}
 
     def layer_of(name: str) -> int | None:
         parts = name.split(".")
@@ -158,7 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--key", type=Path, required=True)
-    parser.add_argument("--layouts", default="fsdp2,uneven,columns,pipeline,experts")
+    parser.add_argument("--layouts", default="fsdp2,uneven,tp,pipeline,experts")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--kill-step", type=int)
     parser.add_argument("--first-step", type=int, default=0)
