@@ -47,7 +47,9 @@ def markers(root: Path) -> dict[str, PatchManifest | object]:
 
 
 async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expected: list[str] | None = None) -> None:
-    """A subscriber syncs step by step (anchor, then fast paths); a fresh one rebuilds the last from an anchor."""
+    """A subscriber syncs step by step (anchor, then fast paths); a fresh one rebuilds the last from an anchor.
+
+    `nproc`: the parts every patch must have (0: not checked)."""
     store = FileStore(root / "store")
     sub = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([pub]))
     unsharded = FileStore(root / "unsharded")
@@ -74,7 +76,7 @@ async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expe
     await reference.close()
     assert paths == (paths_expected or ["slow"] + ["fast"] * (len(steps) - 1)), paths
     for name, manifest in markers(root).items():
-        if name.endswith(".patch.json"):
+        if name.endswith(".patch.json") and nproc:
             assert isinstance(manifest, PatchManifest) and len(manifest.objects) == nproc, name  # one part per rank
     fresh = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([pub]))
     assert (await fresh.sync()).path == "slow"
@@ -97,16 +99,23 @@ async def test_every_layout_publishes_from_every_rank_and_subscribers_see_the_wh
         await follow(out / name, pub, list(range(STEPS)), nproc)
 
 
-async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_restarted_job_is_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize("relaunched_on", [2, 4])
+async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_restarted_job_is_served(
+    tmp_path: Path, relaunched_on: int
+) -> None:
+    """No marker for the step a rank died in; the relaunched job (on 4 ranks: resharded) starts with an anchor."""
     kill = 2
     torchrun(tmp_path, 2, "fsdp2", "--kill-step", str(kill), fails=True)
     root = tmp_path / "out" / "fsdp2"
     assert not (root / "store" / layout.ready_key(kill, "patch")).exists()
-    torchrun(tmp_path, 2, "fsdp2", "--first-step", str(kill + 1))  # the job, relaunched
+    torchrun(tmp_path, relaunched_on, "fsdp2", "--first-step", str(kill + 1))  # the job, relaunched
     ready = set(markers(root))
     assert layout.ready_key(kill, "patch").split("/")[1] not in ready
     assert layout.ready_key(kill, "anchor").split("/")[1] not in ready
     assert layout.ready_key(kill + 1, "anchor").split("/")[1] in ready  # the restart starts with an anchor
     pub = tmp_path / "key" / "publisher.pub"
     # Step 1's state is held when the restart's anchor arrives: no patch links them, so the slow path.
-    await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 2, ["slow", "fast", "slow", "fast"])
+    ready = markers(root)
+    parts = {len(m.objects) for n, m in ready.items() if n.endswith(".patch.json") and isinstance(m, PatchManifest)}
+    assert parts == {2, relaunched_on}
+    await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 0, ["slow", "fast", "slow", "fast"])
