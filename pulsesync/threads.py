@@ -1,11 +1,12 @@
-"""One process-wide thread pool for CPU work that releases the GIL (torch, numpy, zstd, hashing)."""
+"""One process-wide thread pool for CPU work that releases the GIL (torch, numpy, zstd, hashing), and
+the event loop thread behind the blocking publishers."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -87,3 +88,29 @@ async def in_thread_to_completion(fn: Callable[..., R], *args: Any, **kwargs: An
     except asyncio.CancelledError:
         await asyncio.wait([work])
         raise
+
+
+class LoopThread:
+    """An asyncio event loop on a daemon thread of its own, for blocking code that drives async code."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the loop; block until it returns (or raises)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the loop was stopped."""
+        return self.loop.is_closed()
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from pulsesync.digest import state_digest
@@ -25,6 +26,8 @@ from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.helpers import assert_states_equal
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")]
+transformers = pytest.importorskip("transformers")
+LlamaForCausalLM = transformers.LlamaForCausalLM
 TRAINER = Path(__file__).parent / "support" / "sharded_trainer.py"
 STEPS = 5
 
@@ -78,10 +81,15 @@ async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expe
     for name, manifest in markers(root).items():
         if name.endswith(".patch.json") and nproc:
             assert isinstance(manifest, PatchManifest) and len(manifest.objects) == nproc, name  # one part per rank
-    fresh = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([pub]))
+    # A fresh subscriber rebuilds the newest step from a sharded anchor and writes the HF directory an
+    # engine loads: from_pretrained reads it back, bit for bit.
+    fresh = Subscriber(SubscriberConfig(out_dir=root / "served"), store=store, trusted=signing.trusted_keys([pub]))
     assert (await fresh.sync()).path == "slow"
     assert fresh.state is not None
-    assert_states_equal(fresh.state, load_file(str(root / f"full-{steps[-1]}.safetensors")))
+    last = load_file(str(root / f"full-{steps[-1]}.safetensors"))
+    assert_states_equal(fresh.state, last)
+    model = LlamaForCausalLM.from_pretrained(root / "served" / "current", dtype=torch.bfloat16)
+    assert_states_equal({n: t.contiguous() for n, t in model.state_dict().items()}, last)
     await sub.close()
     await fresh.close()
 

@@ -57,6 +57,12 @@ class HostCopyPool:
             self._refs[id(out)] = 1
         return out
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the buffers kept for reuse."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for sets in self._free.values() for b in sets for t in b.values())
+
     def retain(self, buffers: Buffers) -> None:
         """One more holder of a copy."""
         with self._lock:

@@ -16,13 +16,12 @@ import logging
 import secrets
 import shutil
 import tempfile
-import threading
 import time
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -50,10 +49,10 @@ from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.retention import RetentionWorker
 from pulsesync.sharding.layout import Ownership
 from pulsesync.store import Store, open_store
+from pulsesync.threads import LoopThread
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.publisher")
-T = TypeVar("T")
 FileSource = Mapping[str, Path | str | bytes]
 """Files an anchor carries besides the weights: name -> path or content."""
 
@@ -442,8 +441,9 @@ class Publisher:
 
     On a torch.distributed job of several ranks, `Publisher(...)` is a `ShardedPublisher`: every
     rank constructs it and publishes its own `state_dict()`, each rank uploading what it owns
-    (docs/sharding.md); `declared` names the owners of plain tensors there. `sharded=False` keeps
-    one process publishing a whole state it gathered (constructed on that rank alone).
+    (docs/sharding.md); `declared` names the owners of plain tensors there, and `group` is the
+    process group its collectives use (default: a new gloo group of its own). `sharded=False`
+    keeps one process publishing a whole state it gathered (constructed on that rank alone).
     """
 
     def __new__(
@@ -454,11 +454,12 @@ class Publisher:
         signing_key: Ed25519PrivateKey | None = None,
         declared: Mapping[str, Ownership] | None = None,
         sharded: bool | None = None,
+        group: Any = None,
     ) -> Any:
         if cls is Publisher and (sharded if sharded is not None else multi_rank()):
             from pulsesync.publisher.sharded import ShardedPublisher
 
-            return ShardedPublisher(config, store=store, signing_key=signing_key, declared=declared)
+            return ShardedPublisher(config, store=store, signing_key=signing_key, declared=declared, group=group)
         return super().__new__(cls)
 
     def __init__(
@@ -469,24 +470,15 @@ class Publisher:
         signing_key: Ed25519PrivateKey | None = None,
         declared: Mapping[str, Ownership] | None = None,
         sharded: bool | None = None,
+        group: Any = None,
     ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pulsesync-publisher-loop", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("pulsesync-publisher-loop")
         try:
             self._async = AsyncPublisher(config, store=store, signing_key=signing_key)
-            self._run(self._async.start())
+            self._loop.run(self._async.start())
         except BaseException:
-            self._stop_loop()
+            self._loop.stop()
             raise
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
 
     @property
     def reports(self) -> deque[StepReport]:
@@ -506,20 +498,20 @@ class Publisher:
     def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
         """Copy the state to host memory on this thread and queue it; returns as soon as the copy is done."""
         self._async.check_step(step)
-        self._run(self._async.submit(self._async.host_copy(step, state, files)))
+        self._loop.run(self._async.submit(self._async.host_copy(step, state, files)))
 
     def flush(self) -> None:
         """Block until every published step is committed or failed."""
-        self._run(self._async.flush())
+        self._loop.run(self._async.flush())
 
     def close(self) -> None:
         """Flush and stop the pipeline."""
-        if self._loop.is_closed():
+        if self._loop.closed:
             return
         try:
-            self._run(self._async.close())
+            self._loop.run(self._async.close())
         finally:
-            self._stop_loop()
+            self._loop.stop()
 
     def __enter__(self) -> Publisher:
         return self

@@ -28,11 +28,11 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -55,10 +55,10 @@ from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.sharding.layout import Ownership, Piece, local_pieces, validate
 from pulsesync.store import Store, open_store
+from pulsesync.threads import LoopThread
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.publisher")
-T = TypeVar("T")
 _STOP = object()
 
 
@@ -138,9 +138,7 @@ class ShardedPublisher:
         self.store = store or open_store(config.store)
         self.reports: deque[StepReport] = deque(maxlen=1000)
         self.skipped = 0  # steps are never skipped: every rank must publish the same ones
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="pulsesync-rank-loop", daemon=True)
-        self._loop_thread.start()
+        self._loop = LoopThread("pulsesync-rank-loop")
         self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
         self._base: _Snapshot | None = None  # this rank's pieces at the last committed step
         self._base_root = ""
@@ -165,7 +163,7 @@ class ShardedPublisher:
                 raise start[0]
             self.stream_id, self.run_id, self._last_step = start[0]
         except BaseException:
-            self._stop_loop()
+            self._loop.stop()
             raise
         self._worker = threading.Thread(target=self._work, name="pulsesync-rank-publisher", daemon=True)
         self._worker.start()
@@ -178,8 +176,8 @@ class ShardedPublisher:
         self._chain, self._guard = chain, PrefixGuard(chain)
         stream = secrets.token_hex(8)
         try:
-            self._run(self._guard.scan())
-            newest, last = self._run(newest_own(chain, self.config.take_over_prefix, stream))
+            self._loop.run(self._guard.scan())
+            newest, last = self._loop.run(newest_own(chain, self.config.take_over_prefix, stream))
         except PulseSyncError as e:
             return e
         if newest is not None:
@@ -213,6 +211,17 @@ class ShardedPublisher:
         self._last_step = step
         self._queue.put((snap, pieces))
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host copies this rank holds between steps: its baseline and the buffers kept for the next copy."""
+        base = self._base.tensors.values() if self._base is not None else ()
+        return sum(t.numel() * t.element_size() for t in base) + self._pool.free_bytes
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of the pieces this rank publishes (its shard)."""
+        return sum(p.length * (p.tensor_bytes // max(p.numel, 1)) for p in self._pieces.values())
+
     def flush(self) -> None:
         """Block until every queued step is committed or failed on every rank."""
         self._queue.join()
@@ -220,7 +229,7 @@ class ShardedPublisher:
 
     def close(self) -> None:
         """Flush and stop this rank's publisher."""
-        if self._loop.is_closed():
+        if self._loop.closed:
             return
         try:
             self.flush()
@@ -228,8 +237,8 @@ class ShardedPublisher:
             self._queue.put(_STOP)
             self._worker.join()
             with contextlib.suppress(Exception):
-                self._run(self.store.close())
-            self._stop_loop()
+                self._loop.run(self.store.close())
+            self._loop.stop()
 
     def __enter__(self) -> ShardedPublisher:
         return self
@@ -242,14 +251,6 @@ class ShardedPublisher:
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise self._fatal
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._loop_thread.join()
-        self._loop.close()
 
     # --- the rounds ------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -297,7 +298,7 @@ class ShardedPublisher:
             self._raw, self._keep = raw, frozenset(pieces)
         t0 = time.perf_counter()
         try:
-            part = self._run(self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
+            part = self._loop.run(self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
         except PulseSyncError as e:
             part = _Part(self.rank, error=f"{type(e).__name__}: {e}")
         report.encode_s = time.perf_counter() - t0
@@ -375,7 +376,7 @@ class ShardedPublisher:
         if failed:
             return _Outcome(False, "; ".join(failed))
         try:
-            return self._run(self._commit(snap, kind, sorted(parts, key=lambda p: p.rank)))
+            return self._loop.run(self._commit(snap, kind, sorted(parts, key=lambda p: p.rank)))
         except ConflictError as e:
             return _Outcome(False, str(e), fatal=e)
         except PulseSyncError as e:

@@ -149,10 +149,16 @@ def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: 
         full = full_state(model)  # a collective for FSDP2: every rank takes part
         if rank == 0:
             save_file(full, str(root / f"full-{step}.safetensors"))
-        publisher.publish(step, state)
+        files = {"config.json": model.config.to_json_string().encode()} if rank == 0 else None
+        publisher.publish(step, state, files)
         if step == kill_step and rank == 1:
             os._exit(1)  # mid-step: the part may or may not be uploaded, the gather never happens
         publisher.flush()
+        # No rank holds another rank's shard: its host copies are its own pieces, twice at most
+        # (the baseline, and the buffers recycled for the next copy).
+        owned = publisher.owned_bytes
+        assert 0 < publisher.host_bytes <= 2 * owned or owned == 0, (layout, rank, publisher.host_bytes, owned)
+        assert owned < sum(t.numel() * t.element_size() for t in full.values()) or world == 1
     assert publisher is not None
     publisher.close()
 
