@@ -128,9 +128,6 @@ def worker(out: Path, hidden: int, layers: int, steps: int) -> None:
     for step, state in enumerate(states):
         publisher.publish(step, {n: state[n] for n in state})
         publisher.flush()
-        if os.environ.get("PULSESYNC_BENCH_TRACE"):
-            rss, peak = (_rss("VmRSS") - before) >> 20, (_rss("VmHWM") - before) >> 20
-            print(f"rank {rank} step {step}: resident +{rss} MB, peak +{peak} MB", flush=True)
     publisher.close()
     peak = _rss("VmHWM") - before
     pipeline = [r.encode_s + r.upload_s + r.commit_s for r in publisher.reports if r.kind == "patch" and r.ok]
