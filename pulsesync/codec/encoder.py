@@ -495,6 +495,7 @@ def _strided_tasks(
         start = int(chunk_of[lo]) * step
         length = min(step, piece.numel - start)
         index = torch.from_numpy(local[lo:hi]).to(old.device)
+        # The record's identity (name, dtype, global shape, start); its values are gathered below.
         chunk = _Chunk(piece.name, info, piece.shape, start, old[:0], new[:0])
         positions = where[lo:hi] - start
         task = partial(

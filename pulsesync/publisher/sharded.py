@@ -386,10 +386,9 @@ class ShardedPublisher:
         assert self._key is not None and self._guard is not None and self._chain is not None
         lanes = [lane for p in parts for lane in p.lanes]
         first = {name: pieces[0] for name, pieces in self._layout.items()}
-        dense = self._dense_bytes
         wire = sum(ref.size for p in parts for ref in p.objects)
         changed = sum(p.changed for p in parts)
-        sizes = Sizes(dense_bytes=dense, wire_bytes=wire, changed_elements=changed)
+        sizes = Sizes(dense_bytes=self._dense_bytes, wire_bytes=wire, changed_elements=changed)
         if kind == "anchor":
             kinds = {name: (p.dtype, p.shape) for name, p in first.items()}
             digest = summed_digest(self.config.codec.digest_algorithm, kinds, lanes)
