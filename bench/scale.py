@@ -235,9 +235,10 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     assert sub.state is not None
     model = dense_bytes(sub.state)
     cold_peak = rss("VmHWM") - before
-    # The cold start wrote the whole state to cache_dir; in a daemon its writeback has long ended
-    # before the steps that matter. Flushed here so it does not slow the first fast steps (at 3B
-    # it tripled the first one's time).
+    # The cold start writes the whole state to cache_dir in the background; in a daemon that write
+    # and its writeback have long ended before the steps that matter. Both are waited for here so
+    # they do not slow the first fast steps (at 3B the writeback tripled the first one's time).
+    await sub.saved()
     os.sync()
     reset_peak()
     fast_rss0 = rss()

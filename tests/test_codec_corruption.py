@@ -24,8 +24,10 @@ from pulsesync.codec import (
     fused,
     read_header,
 )
+from pulsesync.codec.bits import encode_gap_codes
 from pulsesync.codec.format import (
     PatchHeader,
+    PositionCoding,
     RecordHeader,
     ValueCoding,
     encode_header,
@@ -33,6 +35,7 @@ from pulsesync.codec.format import (
     payload_hash,
     raw_len_for,
 )
+from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.digest import state_digest
 from pulsesync.dtypes import dtype_info
 from pulsesync.errors import CorruptPatchError, IntegrityError, UnsupportedVersionError
@@ -271,6 +274,122 @@ def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair, kernel
         apply_patch(work, _sparse_patch(base, [0, 10], []))
     expected = base["sparse"].view(torch.int16)[[0, 11]]
     assert not torch.equal(work["sparse"].view(torch.int16)[[0, 11]], expected)
+
+
+def _gap_codes_patch(base: dict, positions: list[int], length: int = 1024) -> bytes:
+    """A hand-made SPARSE record for tensor 'sparse' with GAP_CODES positions (any, inside the chunk or not)."""
+    codes, extra = encode_gap_codes(np.array(positions, np.int64))
+    n = len(positions)
+    payload_raw = codes.tobytes() + extra + np.zeros((n + 3) // 4, np.uint8).tobytes()  # every delta -1
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
+    h = RecordHeader(
+        RecordKind.SPARSE, "sparse", BF16, (3000,), ValueCoding.DELTA, 0, length, n, len(extra), 0,
+        len(payload_raw), len(payload), payload_hash(payload), positions=PositionCoding.GAP_CODES,
+    )  # fmt: skip
+    assert raw_len_for(h) == len(payload_raw)
+    header = PatchHeader(
+        value_coding="adaptive",
+        zstd_level=1,
+        chunk_elements=1024,
+        digest_algorithm="mixsum-128",
+        base_digest=state_digest(base, "mixsum-128").root,
+        state_digest="0" * 32,
+        records=1,
+        decoded_bytes=len(payload_raw),
+        changed_elements=n,
+        dense_bytes=0,
+    )
+    return _assemble(header, [(h, payload)])
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
+        pytest.param(False, id="numpy"),
+    ],
+)
+def test_a_position_outside_the_chunk_late_in_a_gap_coded_record_is_refused_and_rolled_back(
+    pair, kernels: bool, monkeypatch
+) -> None:
+    """The batch kernel decodes each position a few elements ahead of its write: the 41st position is
+    outside the chunk, so the first ones were written before it was seen. The error names the
+    record, and the undo log holds exactly what was written (on both paths)."""
+    base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
+    bad = [*range(0, 80, 2), 1024]  # 40 positions inside the chunk of 1024, then one just outside
+    work, undo = clone_state(base), UndoLog()
+    with pytest.raises(CorruptPatchError, match="'sparse' at element 0: a position is outside the chunk of 1024"):
+        apply_patch(work, _gap_codes_patch(base, bad), undo=undo)
+    written = sum(0 if index is None else index.numel() for _, _, _, index, _ in undo.chunks)
+    assert written == (40 - fused.AHEAD if kernels else 0)  # what the kernel wrote before it saw the position
+    undo.rollback(work)
+    assert_states_equal(work, base)
+    # The same positions, all inside: applied (so the position is the cause), every delta -1.
+    work = clone_state(base)
+    with pytest.raises(IntegrityError, match="promises"):  # its state digest is deliberately wrong
+        apply_patch(work, _gap_codes_patch(base, bad[:-1]))
+    moved = work["sparse"].view(torch.int16)[0:80:2].to(torch.int32) - base["sparse"].view(torch.int16)[0:80:2]
+    assert moved.abs().max() >= 1
+
+
+def _history_patch(base: dict, marked: int, fresh: list[int], count: int) -> tuple[bytes, PatchHistory]:
+    """A hand-made HISTORY record for 'sparse' against reference positions 10, 20, 30 (bitmap `marked`)."""
+    reference = PatchHistory("ab" * 32)
+    reference.chunks[("sparse", 0, 1024)] = ChunkHistory(np.array([10, 20, 30], np.int64), np.ones(3, np.int16))
+    codes, extra = encode_gap_codes(np.array(fresh, np.int64))
+    payload_raw = bytes([marked]) + codes.tobytes() + extra + bytes(2 * count)  # PLANES: every residual 0
+    payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
+    h = RecordHeader(
+        RecordKind.HISTORY, "sparse", BF16, (3000,), ValueCoding.PLANES, 0, 1024, count, len(extra), 0,
+        len(payload_raw), len(payload), payload_hash(payload), ref_count=3, new_count=len(fresh),
+        positions=PositionCoding.GAP_CODES,
+    )  # fmt: skip
+    assert raw_len_for(h) == len(payload_raw)
+    header = PatchHeader(
+        value_coding="adaptive",
+        zstd_level=1,
+        chunk_elements=1024,
+        digest_algorithm="mixsum-128",
+        base_digest=state_digest(base, "mixsum-128").root,
+        state_digest="0" * 32,
+        records=1,
+        decoded_bytes=len(payload_raw),
+        changed_elements=count,
+        dense_bytes=0,
+        reference_sha256=reference.sha256,
+    )
+    return _assemble(header, [(h, payload)]), reference
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
+        pytest.param(False, id="numpy"),
+    ],
+)
+def test_history_records_that_contradict_their_reference_are_refused_with_one_message(
+    pair, kernels: bool, monkeypatch
+) -> None:
+    base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
+    for marked, fresh, count, match in [
+        (0b111, [5], 3, "does not mark 2 positions"),  # 3 marked, the counts say 2
+        (0b1000_0101, [5], 3, "does not mark 2 positions"),  # a padding bit set
+        (0b101, [30], 3, "repeats one of the reference's"),  # 30 changed again, and is new
+    ]:
+        patch, reference = _history_patch(base, marked, fresh, count)
+        work = clone_state(base)
+        with pytest.raises(CorruptPatchError, match=f"'sparse' at element 0: .*{match}"):
+            apply_patch(work, patch, reference=reference)
+        assert_states_equal(work, base)
+    patch, reference = _history_patch(base, 0b101, [5], 3)  # consistent: applied (deltas 1 at 10 and 30)
+    work = clone_state(base)
+    with pytest.raises(IntegrityError, match="promises"):
+        apply_patch(work, patch, reference=reference)
+    changed = torch.nonzero(work["sparse"].view(torch.int16) != base["sparse"].view(torch.int16)).flatten()
+    assert changed.tolist() == [10, 30]
 
 
 def test_wrong_base_is_refused_before_writing(pair, patch) -> None:

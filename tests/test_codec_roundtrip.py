@@ -190,15 +190,24 @@ def test_tensor_larger_than_2_pow_31_elements() -> None:
     seed=st.integers(0, 2**32 - 1),
     density=st.sampled_from([0.0005, 0.01, 0.3, 1.0]),
     mode=st.sampled_from(["fused", "no-kernel"]),
+    version=st.sampled_from([1, 2]),
+    threads=st.sampled_from([1, None]),
+    digest=st.sampled_from(["mixsum-128", "xxh3-128"]),
 )
-def test_fused_kernel_matches_the_numpy_path_bit_for_bit(seed: int, density: float, mode: str) -> None:
+def test_fused_kernel_matches_the_numpy_path_bit_for_bit(
+    seed: int, density: float, mode: str, version: int, threads: int | None, digest: str
+) -> None:
+    """The batch kernel (SPARSE records of 2-byte floats, on one or every thread), the single-record
+    kernels and numpy: the same state, digest and undo log, for either format and digest."""
     rng = np.random.default_rng(seed)
     base = {
         "bf16": random_bits(rng, dtype_info(torch.bfloat16), (5000,)),
         "f16": random_bits(rng, dtype_info(torch.float16), (70, 30)),
+        "f32": random_bits(rng, dtype_info(torch.float32), (300,)),  # not batched: the per-record path beside it
     }
     new = {n: mutate(rng, t, density) for n, t in base.items()}
-    patch = encode_patch(base, new, CodecParams(chunk_elements=1024))
+    params = CodecParams(chunk_elements=1024, format_version=version, digest_algorithm=digest)
+    patch = encode_patch(base, new, params)
     results = []
     for enabled in (True, False):
         fused.enabled = enabled
@@ -207,7 +216,7 @@ def test_fused_kernel_matches_the_numpy_path_bit_for_bit(seed: int, density: flo
             fused.apply_delta_2byte = None
         try:
             work, undo = clone_state(base), UndoLog()
-            apply_patch(work, patch, undo=undo)
+            apply_patch(work, patch, undo=undo, threads=threads)
         finally:
             fused.enabled, fused.apply_delta_2byte = True, original
         assert_states_equal(work, new)

@@ -488,13 +488,18 @@ async def test_a_patch_that_decodes_far_beyond_the_held_state_is_refused_before_
 
 
 # --- item 10: a decode failure with several codec threads ------------------------------------------------
+@pytest.mark.parametrize("path", ["batch", "per-record"])
 def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollback(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """Item 10: the rollback ran while other records were still being applied on the pool."""
+    """Item 10: the rollback ran while other records were still being applied on the pool.
+
+    Both decoders: the batch kernel (records of 2-byte floats, decompressed on each thread) and
+    the per-record one (every other record; here numba switched off).
+    """
     import torch
 
-    from pulsesync.codec import UndoLog, apply, encode_patch
+    from pulsesync.codec import UndoLog, apply, encode_patch, fused
     from tests.support.helpers import assert_states_equal, clone_state
 
     gen = torch.Generator().manual_seed(0)
@@ -503,7 +508,8 @@ def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollba
     for t in new.values():
         t.view(torch.int16)[::3] += 1
     data = encode_patch(base, new)
-    real = apply.decode_record
+    target = "decompress_payload" if path == "batch" else "decode_record"
+    real = getattr(apply, target)
 
     def slow_or_failing(h: Any, payload: Any, *context: Any) -> Any:
         if h.name == "t01":
@@ -511,10 +517,14 @@ def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollba
         time.sleep(0.05)  # the others are still running when t01 fails
         return real(h, payload, *context)
 
-    monkeypatch.setattr(apply, "decode_record", slow_or_failing)
+    monkeypatch.setattr(apply, target, slow_or_failing)
+    if path == "per-record":
+        monkeypatch.setattr(fused, "enabled", False)
     state, undo = clone_state(base), UndoLog()
     with pytest.raises(CorruptPatchError, match="injected"):
         apply.apply_patch(state, data, threads=None, undo=undo)  # the shared pool, one thread per core
+    if path == "batch":
+        assert undo.chunks, "the records before t01 on its thread and those of the other thread were applied"
     undo.rollback(state)
     time.sleep(0.5)  # anything still running would land now
     assert_states_equal(state, base)

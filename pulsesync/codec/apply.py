@@ -8,6 +8,7 @@ copy of a state and still restore it bit for bit.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -16,9 +17,16 @@ import numpy as np
 import torch
 
 from pulsesync.codec import bits, fused
-from pulsesync.codec.format import V2_CODINGS, RecordHeader, RecordKind, ValueCoding
-from pulsesync.codec.history import ChunkHistory, PatchHistory
-from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_planes, decode_record
+from pulsesync.codec.format import V2_CODINGS, PositionCoding, RecordHeader, RecordKind, ValueCoding
+from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
+from pulsesync.codec.parse import (
+    PatchDecoder,
+    PatchRecord,
+    decode_planes,
+    decode_record,
+    decompress_payload,
+    record_where,
+)
 from pulsesync.digest import (
     INCREMENTAL,
     StateDigest,
@@ -31,7 +39,7 @@ from pulsesync.digest import (
 )
 from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError, MissingReferenceError
-from pulsesync.threads import parallel_map, submit_beside
+from pulsesync.threads import default_threads, parallel_map, submit_beside
 
 
 @dataclass
@@ -63,15 +71,15 @@ class UndoLog:
     def changed(self) -> dict[str, torch.Tensor | None]:
         """Flat positions each changed tensor changed at (sorted), or None where the whole tensor changed."""
         out: dict[str, torch.Tensor | None] = {name: None for name, _ in self.tensors}
-        pieces: dict[str, list[torch.Tensor]] = {}
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for name, start, _, index, _ in self.chunks:
             if index is None or name in out:
                 out[name] = None
             else:
-                pieces.setdefault(name, []).append(index + start)
+                pieces.setdefault(name, []).append((start, index + start))
         for name, parts in pieces.items():
-            if name not in out:
-                out[name] = torch.cat(parts)
+            if name not in out:  # chunks are logged in the order they were applied, not by position
+                out[name] = torch.cat([part for _, part in sorted(parts, key=lambda p: p[0])])
         return out
 
 
@@ -297,9 +305,9 @@ def apply_patch(
     each tensor is re-hashed on another core as soon as its last record is applied (overlapping
     the decode of the next ones), and tensors the patch does not touch keep their base digest.
     On any error `state` may be partially patched: pass an `undo` log and roll it back, or apply
-    to a working copy and discard it. Records decode on one thread by default: their many small
-    array operations contend for the GIL, so more threads were slower on every machine measured
-    (docs/benchmarks.md).
+    to a working copy and discard it. SPARSE records of 2-byte floats on the CPU (nearly all of an
+    RL patch) are decoded and applied in compiled batches, one per thread; the other records one
+    at a time, on `threads` threads (None: one per CPU).
 
     A history-coded patch needs `reference`, the history of the patch named in its header
     (MissingReferenceError otherwise). Pass an empty `history` to collect this patch's own.
@@ -386,7 +394,8 @@ def _apply_records(
     verify: bool,
     incremental: bool,
 ) -> tuple[list[tuple[str, tuple[int, int]]], list[PatchRecord], dict[str, Future[TensorDigest]]]:
-    """Decode and apply a parsed patch's records: chunk records concurrently, whole-tensor ones after.
+    """Decode and apply a parsed patch's records: batchable records first (_apply_batch), the other
+    chunk records concurrently, whole-tensor ones after.
 
     Returns how each chunk record moved its tensor's lanes (incremental digests), the whole-tensor
     records applied, and the re-hashes started (a non-incremental digest with `verify`).
@@ -405,6 +414,13 @@ def _apply_records(
     references = reference.chunks if reference is not None else {}
     # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
     moved: list[tuple[str, tuple[int, int]]] = []
+    batched: list[str] = []  # tensors the batch kernel changed (re-hashed at the end, as needed)
+    if fused.apply_batch is not None and fused.enabled:
+        batch = [item for item in raw_records if _batchable(item[0], state)]
+        if batch:
+            moved += _apply_batch(state, batch, undo, references, history, threads, incremental)
+            raw_records = [item for item in raw_records if not _batchable(item[0], state)]
+            batched = list(dict.fromkeys(h.name for h, _ in batch))
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:
         h = item[0]
@@ -418,7 +434,7 @@ def _apply_records(
     rehashed: dict[str, Future[TensorDigest]] = {}
 
     def rehash(name: str) -> None:
-        if verify and not incremental and name in state:
+        if verify and not incremental and name in state and name not in rehashed:
             rehashed[name] = submit_beside(tensor_digest, state[name], algorithm)
 
     device = _state_device(state)
@@ -439,4 +455,124 @@ def _apply_records(
     for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part
         apply_record(record, state, device, undo)
         rehash(record.name)
+    for name in batched:  # (a tensor with records of both kinds was re-hashed after its last one above)
+        rehash(name)
     return moved, whole_records, rehashed
+
+
+_BATCH_KINDS = (RecordKind.SPARSE, RecordKind.HISTORY)
+_BATCH_CODINGS = (ValueCoding.DELTA, ValueCoding.PLANES, ValueCoding.EXP_PLANES)  # HISTORY: the last two
+
+
+def _batchable(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> bool:
+    """Whether fused.apply_batch applies this record: a SPARSE or HISTORY record of a 2-byte float on the CPU."""
+    if h.kind not in _BATCH_KINDS or h.coding not in _BATCH_CODINGS:
+        return False
+    return h.info.width == 2 and h.info.is_float and state[h.name].device.type == "cpu"
+
+
+def _apply_batch(
+    state: MutableMapping[str, torch.Tensor],
+    batch: list[tuple[RecordHeader, memoryview]],
+    undo: UndoLog | None,
+    references: dict[ChunkKey, ChunkHistory],
+    history: PatchHistory | None,
+    threads: int | None,
+    incremental: bool,
+) -> list[tuple[str, tuple[int, int]]]:
+    """Apply SPARSE and HISTORY records of 2-byte floats with one compiled call per thread (fused.apply_batch).
+
+    Each thread takes a run of records of about equal work, decompresses their payloads (zstd
+    releases the GIL) and decodes and applies them in one call, every check of the single-record
+    path included. Returns how each record moved its tensor's lanes. On a corrupt record, every
+    record applied (and what the corrupt one wrote) is in `undo` and CorruptPatchError names it.
+    """
+    rows: list[tuple[int, ...]] = []
+    kept: list[ChunkHistory] = []  # the reference chunks the kernel reads by address stay alive until it is done
+    at = out = 0
+    for h, _ in batch:
+        address = state[h.name].data_ptr() + 2 * h.start  # contiguous, checked by check_target, kept alive by state
+        ref_positions = ref_deltas = 0
+        new_count = h.count
+        if h.kind == RecordKind.HISTORY:
+            reference = _reference_of(h, references)
+            kept.append(reference)
+            ref_positions, ref_deltas = reference.positions.ctypes.data, reference.deltas.ctypes.data
+            new_count = h.new_count
+        head = (address, h.length, at, h.count, h.escapes, h.value_escapes, h.positions, h.coding, h.start, out)
+        rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind))
+        at += h.raw_len  # decompress_payload checks the payload is exactly that
+        out += h.count
+    payloads = np.empty(at + 8, np.uint8)
+    payloads[at:] = 0  # the kernel's bit reader reads a few bytes past a record's stream
+    table = np.array(rows, np.int64).reshape(-1, fused.ROW_COLUMNS)
+    positions, old, deltas = np.empty(out, np.int64), np.empty(out, np.int16), np.empty(out, np.int16)
+    lanes = np.zeros((len(rows), 2 if incremental else 0), np.uint64)
+    kernel = fused.apply_batch
+    assert kernel is not None
+
+    def run(rows_range: tuple[int, int]) -> tuple[int, int, CorruptPatchError | None]:
+        """(the first row not applied, or the range's end; elements that row wrote; the error that stopped it)."""
+        first, stop = rows_range
+        error: CorruptPatchError | None = None
+        for index in range(first, stop):
+            h, payload = batch[index]
+            try:
+                raw = decompress_payload(h, payload, record_where(h))
+            except CorruptPatchError as e:  # the rows before it are still applied (and logged)
+                stop, error = index, e
+                break
+            offset = rows[index][fused.ROW_PAYLOAD]
+            payloads[offset : offset + h.raw_len] = np.frombuffer(raw, np.uint8)
+        failed, status, done = kernel(payloads, table[first:stop], positions, old, deltas, lanes[first:stop])
+        if failed < 0:
+            return stop, 0, error
+        h = batch[first + failed][0]
+        return first + failed, done, CorruptPatchError(f"{record_where(h)}: {_batch_error(status, h)}")
+
+    # EXP_PLANES records visit their elements twice (gather, then update in class order).
+    work = table[:, fused.ROW_COUNT] * np.where(table[:, fused.ROW_CODING] == ValueCoding.EXP_PLANES, 2, 1)
+    ranges = _balanced(work, threads)
+    ends = list(parallel_map(run, ranges, threads if len(ranges) > 1 else 1))
+    moved: list[tuple[str, tuple[int, int]]] = []
+    for (first, _), (end, done, _) in zip(ranges, ends, strict=True):
+        for index in range(first, end + 1 if done else end):  # and what a failing record wrote
+            h, o = batch[index][0], int(table[index, fused.ROW_OUT])
+            n = h.count if index < end else done
+            _log_kernel_chunk(h, positions[o : o + n], old[o : o + n], deltas[o : o + n], undo, history)
+            if incremental:
+                moved.append((h.name, (int(lanes[index, 0]), int(lanes[index, 1]))))
+    for _, _, error in ends:
+        if error is not None:
+            raise error
+    return moved
+
+
+def _reference_of(h: RecordHeader, references: dict[ChunkKey, ChunkHistory]) -> ChunkHistory:
+    """The reference chunk a HISTORY record is coded against, checked to fit it (as parse's decoder checks)."""
+    reference = references.get((h.name, h.start, h.length))
+    where = record_where(h)
+    if reference is None or reference.positions.size != h.ref_count:
+        held = "none" if reference is None else f"{reference.positions.size} positions"
+        raise CorruptPatchError(f"{where}: coded against {h.ref_count} reference positions, the reference holds {held}")
+    if reference.deltas.dtype != np.int16 or reference.positions.dtype != np.int64:
+        raise CorruptPatchError(f"{where}: the reference chunk holds {reference.deltas.dtype} deltas for {h.info.name}")
+    return ChunkHistory(np.ascontiguousarray(reference.positions), np.ascontiguousarray(reference.deltas))
+
+
+def _batch_error(status: int, h: RecordHeader) -> str:
+    """What fused.apply_batch's status says of record h, worded as the per-record decoders word it."""
+    if status == fused.HISTORY_BITMAP_MISMATCH:
+        return f"the reference bitmap does not mark {h.count - h.new_count} positions"
+    if status == fused.HISTORY_REPEATS:
+        return "a new position repeats one of the reference's"
+    return bits.kernel_error(status, h.length, h.positions == PositionCoding.GAP_CODES)
+
+
+def _balanced(counts: np.ndarray, threads: int | None) -> list[tuple[int, int]]:
+    """Consecutive row ranges, one per thread, of about equal total count."""
+    parts = min(len(counts), 1 if threads == 1 else threads or default_threads())
+    ends = np.cumsum(counts)
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right") if parts > 1 else []
+    bounds = sorted({0, *map(int, cuts), len(counts)})
+    return list(itertools.pairwise(bounds))

@@ -245,12 +245,8 @@ def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length
     if fused.enabled and fused.decode_positions is not None:
         positions = np.empty(count, np.int64)
         status = fused.decode_positions(planes, count, escapes, length, positions)
-        if status == fused.POSITIONS_ESCAPES_MISMATCH:
-            raise CorruptPatchError(f"{where}: {_GAP_ESCAPES_MISMATCH}")
-        if status == fused.POSITIONS_GAP_OUTSIDE:
-            raise CorruptPatchError(f"{where}: escaped position gap exceeds the chunk of {length}")
-        if status == fused.POSITIONS_OUTSIDE:
-            raise CorruptPatchError(f"{where}: {_OUTSIDE.format(length=length)}")
+        if status != fused.POSITIONS_OK:
+            raise CorruptPatchError(f"{where}: {kernel_error(status, length, gap_codes=False)}")
         return positions
     gaps16 = from_planes(planes, count, np.uint16)
     gaps = gaps16.astype(np.int64)
@@ -330,7 +326,7 @@ def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: i
         positions = np.empty(count, np.int64)
         status = fused.decode_gap_codes(codes, extra, length, positions)
         if status != fused.POSITIONS_OK:
-            raise CorruptPatchError(f"{where}: {_GAP_CODE_ERRORS[status].format(length=length)}")
+            raise CorruptPatchError(f"{where}: {kernel_error(status, length, gap_codes=True)}")
         return positions
     if codes.size and int(codes.max()) > MAX_GAP_CODE:
         raise CorruptPatchError(f"{where}: {_GAP_CODE_INVALID}")
@@ -355,11 +351,19 @@ def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: i
     return positions
 
 
-_GAP_CODE_ERRORS = {
+_KERNEL_ERRORS = {
     fused.POSITIONS_GAP_CODE_INVALID: _GAP_CODE_INVALID,
-    fused.POSITIONS_ESCAPES_MISMATCH: _GAP_EXTRA_MISMATCH,
+    fused.POSITIONS_GAP_OUTSIDE: "escaped position gap exceeds the chunk of {length}",
     fused.POSITIONS_OUTSIDE: _OUTSIDE,
+    fused.VALUES_ESCAPES_MISMATCH: _VALUE_ESCAPES_MISMATCH,
 }
+
+
+def kernel_error(status: int, length: int, gap_codes: bool) -> str:
+    """What a fused kernel's status means, as the numpy path words it (a chunk of `length`)."""
+    if status == fused.POSITIONS_ESCAPES_MISMATCH:
+        return _GAP_EXTRA_MISMATCH if gap_codes else _GAP_ESCAPES_MISMATCH
+    return _KERNEL_ERRORS[status].format(length=length)
 
 
 def magnitude_class(old: np.ndarray) -> np.ndarray:

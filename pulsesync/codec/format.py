@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -291,7 +291,12 @@ def parse_record_header(
     info = dtype_by_code(dcode)
     if info is None and rkind not in (RecordKind.END, RecordKind.REMOVE):
         raise CorruptPatchError(f"{where}: unknown dtype code {dcode}")
-    header = replace(RecordHeader(rkind, name, info, shape, rcoding, *sizes), positions=PositionCoding(position_coding))
+    start, length, count, escapes, value_escapes, raw_len, comp_len, hashed, *history = sizes
+    ref_count, new_count = history or (0, 0)  # v2 only
+    header = RecordHeader(
+        rkind, name, info, shape, rcoding, start, length, count, escapes, value_escapes, raw_len, comp_len, hashed,
+        ref_count, new_count, PositionCoding(position_coding),
+    )  # fmt: skip
     _check_record(header, where)
     return header, body_end + RECORD_CHECKSUM.size
 

@@ -32,8 +32,52 @@ except ImportError:  # pragma: no cover - exercised where numba is not installed
     numba = None  # type: ignore[assignment]
 
 
+def _prefetch_intrinsic() -> Any:
+    """numba's prefetch(chunk, index): llvm.prefetch of the element's address, for writing, into every cache level."""
+    from llvmlite import binding, ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    # LLVM 15 made pointers opaque, and the intrinsic's name followed.
+    name = "llvm.prefetch.p0" if binding.llvm_version_info >= (15,) else "llvm.prefetch.p0i8"
+
+    @intrinsic
+    def prefetch(typingctx: Any, chunk: Any, index: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            array_type = signature.args[0]
+            array = context.make_array(array_type)(context, builder, args[0])
+            address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1]])  # type: ignore[no-untyped-call]
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name
+            )
+            write, locality, data = ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)
+            builder.call(fn, [builder.bitcast(address, i8p), write, locality, data])
+            return context.get_dummy_value()
+
+        return numba.types.void(chunk, index), codegen
+
+    return prefetch
+
+
+def _pointer_intrinsic() -> Any:
+    """numba's pointer(address): an int64 address as a void pointer (for numba.carray)."""
+    from llvmlite import ir
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def pointer(typingctx: Any, address: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+        return numba.types.voidptr(address), codegen
+
+    return pointer
+
+
 POSITIONS_OK, POSITIONS_ESCAPES_MISMATCH, POSITIONS_GAP_OUTSIDE, POSITIONS_OUTSIDE = 0, 1, 2, 3
 POSITIONS_GAP_CODE_INVALID = 4
+VALUES_ESCAPES_MISMATCH = 5  # (apply_batch) the value codes' escapes do not match value_escapes
 
 
 def _decode_positions(planes: Any, count: int, escapes: Any, length: int, out: Any) -> int:
@@ -62,13 +106,8 @@ def _decode_positions(planes: Any, count: int, escapes: Any, length: int, out: A
     return POSITIONS_OK if k == escapes.size else POSITIONS_ESCAPES_MISMATCH
 
 
-def _decode_gap_codes(codes: Any, extra: Any, length: int, out: Any) -> int:
-    """out[i] = p_i from GAP_CODES (as bits.decode_gap_codes); a status code.
-
-    First every code is checked and the extra bits they need counted against the stream (its size
-    and zero padding): POSITIONS_GAP_CODE_INVALID, POSITIONS_ESCAPES_MISMATCH. Then one pass reads
-    the extra bits LSB first; POSITIONS_OUTSIDE when a position is not below `length`.
-    """
+def _check_gap_codes(codes: Any, extra: Any) -> int:
+    """POSITIONS_OK if every code is valid and the codes need exactly the extra bytes (zero padding)."""
     total = 0
     for i in range(codes.size):
         code = np.int64(codes[i])
@@ -78,6 +117,19 @@ def _decode_gap_codes(codes: Any, extra: Any, length: int, out: Any) -> int:
             total += (code - GAP_DIRECT) // 4 + 1
     if (total + 7) // 8 != extra.size or (total % 8 != 0 and (np.int64(extra[extra.size - 1]) >> (total % 8)) != 0):
         return POSITIONS_ESCAPES_MISMATCH
+    return POSITIONS_OK
+
+
+def _decode_gap_codes(codes: Any, extra: Any, length: int, out: Any) -> int:
+    """out[i] = p_i from GAP_CODES (as bits.decode_gap_codes); a status code.
+
+    First every code is checked and the extra bits they need counted against the stream (its size
+    and zero padding): POSITIONS_GAP_CODE_INVALID, POSITIONS_ESCAPES_MISMATCH. Then one pass reads
+    the extra bits LSB first; POSITIONS_OUTSIDE when a position is not below `length`.
+    """
+    status = _check_gap_codes(codes, extra)
+    if status != POSITIONS_OK:
+        return status
     acc = np.int64(0)
     have = 0
     k = 0
@@ -137,7 +189,32 @@ def _count_escape_codes(packed: Any, count: int) -> int:
     return found
 
 
-_BLOCK = 256  # elements gathered ahead of their update: their cache lines fit in L1
+AHEAD = 16  # elements prefetched ahead of their update (measured best of 8..128 on a 512 MiB chunk)
+
+
+def _prefetch(chunk: Any, index: Any) -> None:
+    """A hint to load chunk[index] into the cache for writing (numba: llvm.prefetch; here nothing)."""
+
+
+def _lanes_of(positions: Any, old: Any, new: Any, base: Any) -> tuple[Any, Any]:
+    """How positions moving from old to new bits move the mixsum-128 lanes (the first element at index `base`).
+
+    A loop of its own, without branches: the compiler vectorizes its 64-bit multiplies, which
+    inline in the apply loop cost more than its memory accesses.
+    """
+    s0, s1 = np.uint64(0), np.uint64(0)
+    for i in range(positions.size):
+        d0, d1 = term_change(base + np.uint64(positions[i]), np.uint64(np.uint16(new[i])), np.uint64(np.uint16(old[i])))
+        s0 += d0
+        s1 += d1
+    return s0, s1
+
+
+def _add_ordered(old: Any, delta: Any) -> Any:
+    """The 2-byte float whose order-preserving integer is old's plus delta (wrapping), as int16."""
+    ordered = old ^ ((old >> 15) & 0x7FFF)  # sign-magnitude -> value order (its own inverse)
+    s = ((ordered + delta + 32768) & 0xFFFF) - 32768  # int16 addition, wrapping
+    return np.int16(s ^ ((s >> 15) & 0x7FFF))
 
 
 def _apply_delta_2byte(
@@ -148,42 +225,114 @@ def _apply_delta_2byte(
     delta_i = unzigzag(code_i + 1), or unzigzag(escape + 1) for code 3, as bits.unpack_small_deltas;
     into deltas_out unless it is empty (the subscriber's history). Unless `lanes` is empty, adds
     the change of the mixsum-128 lane sums there (the chunk's first element at flat index
-    `first`): the old and new bits are in registers, so the digest update costs no second pass.
-    Each block's old values are gathered first, in a loop of independent loads the CPU overlaps
-    (the miss per element is the cost), then updated from cache.
+    `first`). One read-modify-write per element, the element AHEAD places on prefetched: the
+    misses overlap as in a bare loop of flips (bench/scale.py's floor), the arithmetic hides in them.
     """
     k = 0
     n = positions.size
     history, digest = deltas_out.size > 0, lanes.size > 0
-    s0, s1, base = np.uint64(0), np.uint64(0), np.uint64(first)
-    for start in range(0, n, _BLOCK):
-        end = min(n, start + _BLOCK)
-        for i in range(start, end):
-            old_out[i] = chunk[positions[i]]
-        for i in range(start, end):
-            code = (np.int32(packed[i >> 2]) >> (2 * (i & 3))) & 3
-            if code == SMALL_ESCAPE:
-                v = (np.int32(escapes[k]) + 1) & 0xFFFF
-                k += 1
-            else:
-                v = code + 1
-            delta = (v >> 1) ^ -(v & 1)
-            old = np.int32(old_out[i])
-            ordered = old ^ ((old >> 15) & 0x7FFF)  # sign-magnitude -> value order (its own inverse)
-            s = ((ordered + delta + 32768) & 0xFFFF) - 32768  # int16 addition, wrapping
-            new = np.int16(s ^ ((s >> 15) & 0x7FFF))
-            chunk[positions[i]] = new
-            if history:
-                deltas_out[i] = delta
-            if digest:
-                d0, d1 = term_change(
-                    base + np.uint64(positions[i]), np.uint64(np.uint16(new)), np.uint64(np.uint16(old))
-                )
-                s0 += d0
-                s1 += d1
+    new_bits = np.empty(n if digest else 0, np.int16)
+    for i in range(n):
+        if i + AHEAD < n:
+            _prefetch(chunk, positions[i + AHEAD])
+        code = (np.int32(packed[i >> 2]) >> (2 * (i & 3))) & 3
+        if code == SMALL_ESCAPE:
+            v = (np.int32(escapes[k]) + 1) & 0xFFFF
+            k += 1
+        else:
+            v = code + 1
+        delta = (v >> 1) ^ -(v & 1)
+        p = positions[i]
+        old = chunk[p]
+        new = _add_ordered(np.int32(old), delta)
+        chunk[p] = new
+        old_out[i] = old
+        if history:
+            deltas_out[i] = delta
+        if digest:
+            new_bits[i] = new
     if digest:
+        s0, s1 = _lanes_of(positions, old_out, new_bits, np.uint64(first))
         lanes[0] += s0
         lanes[1] += s1
+
+
+def _gap_at(code: Any, payloads: Any, bit: Any) -> tuple[Any, Any]:
+    """The gap a GAP_CODES code stands for, its extra bits read at bit offset `bit` of payloads; the next offset.
+
+    Branch-free: five bytes are read whatever the code needs (payloads is padded past its end).
+    """
+    nbits = (code - GAP_DIRECT) // 4 + 1 if code >= GAP_DIRECT else np.int64(0)
+    j = bit >> 3
+    word = np.int64(payloads[j]) | (np.int64(payloads[j + 1]) << 8) | (np.int64(payloads[j + 2]) << 16)
+    word |= (np.int64(payloads[j + 3]) << 24) | (np.int64(payloads[j + 4]) << 32)
+    low = (word >> (bit & 7)) & ((np.int64(1) << nbits) - 1)
+    gap = ((4 + ((code - GAP_DIRECT) & 3)) << nbits) | low if code >= GAP_DIRECT else code
+    return gap, bit + nbits
+
+
+def _apply_delta_gap_codes(
+    chunk: Any,
+    payloads: Any,
+    at: int,
+    n: int,
+    packed: Any,
+    escapes: Any,
+    positions_out: Any,
+    old_out: Any,
+    deltas_out: Any,
+    first: int,
+    lanes: Any,
+) -> tuple[int, int]:
+    """apply_delta_2byte of a record whose positions are GAP_CODES (n codes at payloads[at:], then the extra bits).
+
+    Each position is decoded AHEAD elements before its update, checked inside the chunk and
+    prefetched, so decoding hides in the misses. The codes must have passed _check_gap_codes.
+    Returns (POSITIONS_OK, n), or (POSITIONS_OUTSIDE, elements already written: the undo log's).
+    """
+    length = chunk.size
+    bit = np.int64(8 * (at + n))
+    p = np.int64(-1)
+    for i in range(min(n, AHEAD)):
+        gap, bit = _gap_at(np.int64(payloads[at + i]), payloads, bit)
+        p += gap + 1
+        if p >= length:
+            return POSITIONS_OUTSIDE, 0
+        positions_out[i] = p
+        _prefetch(chunk, p)
+    k = 0
+    history, digest = deltas_out.size > 0, lanes.size > 0
+    new_bits = np.empty(n if digest else 0, np.int16)
+    for i in range(n):
+        ahead = i + AHEAD
+        if ahead < n:
+            gap, bit = _gap_at(np.int64(payloads[at + ahead]), payloads, bit)
+            p += gap + 1
+            if p >= length:
+                return POSITIONS_OUTSIDE, i
+            positions_out[ahead] = p
+            _prefetch(chunk, p)
+        code = (np.int32(packed[i >> 2]) >> (2 * (i & 3))) & 3
+        if code == SMALL_ESCAPE:
+            v = (np.int32(escapes[k]) + 1) & 0xFFFF
+            k += 1
+        else:
+            v = code + 1
+        delta = (v >> 1) ^ -(v & 1)
+        q = positions_out[i]
+        old = chunk[q]
+        new = _add_ordered(np.int32(old), delta)
+        chunk[q] = new
+        old_out[i] = old
+        if history:
+            deltas_out[i] = delta
+        if digest:
+            new_bits[i] = new
+    if digest:
+        s0, s1 = _lanes_of(positions_out[:n], old_out, new_bits, np.uint64(first))
+        lanes[0] += s0
+        lanes[1] += s1
+    return POSITIONS_OK, n
 
 
 def _apply_planes_2byte(
@@ -200,27 +349,31 @@ def _apply_planes_2byte(
     """Format 2's PLANES/EXP_PLANES values of a 2-byte float chunk: chunk[p_i] += delta_i in value order.
 
     delta_i = unzigzag of the two byte planes, taken in magnitude-class order of the old values
-    where `by_class` (EXP_PLANES: a counting sort, stable, as bits.magnitude_order), plus
-    ref_deltas[i] when given (HISTORY records; empty otherwise). Old values go to old_out (undo
-    log), deltas in position order to deltas_out (the subscriber's history); the digest's lane
-    sums change as in apply_delta_2byte.
+    where `by_class` (EXP_PLANES: a counting sort, stable, as bits.magnitude_order; the old
+    values are gathered first), plus ref_deltas[i] when given (HISTORY records; empty
+    otherwise). Old values go to old_out (undo log), deltas in position order to deltas_out (the
+    subscriber's history); the digest's lane sums change as in apply_delta_2byte.
     """
     n = positions.size
-    for start in range(0, n, _BLOCK):  # gather ahead: independent loads the CPU overlaps
-        for i in range(start, min(n, start + _BLOCK)):
-            old_out[i] = chunk[positions[i]]
     next_in_class = np.zeros(257, np.int64)
     if by_class:
         for i in range(n):
+            if i + AHEAD < n:
+                _prefetch(chunk, positions[i + AHEAD])
+            old_out[i] = chunk[positions[i]]
             next_in_class[((np.int32(old_out[i]) >> 7) & 0xFF) + 1] += 1
         for c in range(256):
             next_in_class[c + 1] += next_in_class[c]
     digest = lanes.size > 0
-    s0, s1, base = np.uint64(0), np.uint64(0), np.uint64(first)
+    new_bits = np.empty(n if digest else 0, np.int16)
     for i in range(n):
+        if i + AHEAD < n:
+            _prefetch(chunk, positions[i + AHEAD])
+        p = positions[i]
+        old = chunk[p]
         j = i
         if by_class:
-            c = (np.int32(old_out[i]) >> 7) & 0xFF
+            c = (np.int32(old) >> 7) & 0xFF
             j = next_in_class[c]
             next_in_class[c] += 1
         z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
@@ -228,18 +381,14 @@ def _apply_planes_2byte(
         if ref_deltas.size:
             delta += np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
+        new = _add_ordered(np.int32(old), delta)
+        chunk[p] = new
+        old_out[i] = old
         deltas_out[i] = delta
-        old = np.int32(old_out[i])
-        ordered = old ^ ((old >> 15) & 0x7FFF)
-        s = ((ordered + delta + 32768) & 0xFFFF) - 32768
-        new = np.int16(s ^ ((s >> 15) & 0x7FFF))
-        chunk[positions[i]] = new
         if digest:
-            i64 = base + np.uint64(positions[i])
-            d0, d1 = term_change(i64, np.uint64(np.uint16(new)), np.uint64(np.uint16(old)))
-            s0 += d0
-            s1 += d1
+            new_bits[i] = new
     if digest:
+        s0, s1 = _lanes_of(positions, old_out, new_bits, np.uint64(first))
         lanes[0] += s0
         lanes[1] += s1
 
@@ -267,7 +416,154 @@ def _merge_history(
         k += 1
 
 
+# The record table of apply_batch: one row per record, these columns.
+(
+    ROW_TARGET,  # address of the record's chunk: its first element (2 bytes each, contiguous, in memory)
+    ROW_LENGTH,  # elements of the chunk
+    ROW_PAYLOAD,  # offset of its decompressed payload in `payloads`
+    ROW_COUNT,  # changed elements
+    ROW_ESCAPES,  # escaped gaps (GAPS16: u64 each) or extra-bit bytes (GAP_CODES)
+    ROW_VALUE_ESCAPES,  # escaped values (packed DELTA codes)
+    ROW_POSITIONS,  # PositionCoding
+    ROW_CODING,  # ValueCoding: DELTA (SPARSE only), PLANES or EXP_PLANES
+    ROW_FIRST,  # flat index of the chunk's first element (the digest's)
+    ROW_OUT,  # offset of its positions, old values and deltas in the output arrays
+    ROW_NEW_COUNT,  # HISTORY: positions coded as gaps (SPARSE: ROW_COUNT)
+    ROW_REF_COUNT,  # HISTORY: positions of the reference chunk (SPARSE: 0)
+    ROW_REF_POSITIONS,  # HISTORY: address of the reference chunk's positions (int64)
+    ROW_REF_DELTAS,  # HISTORY: address of the reference chunk's deltas (int16)
+    ROW_KIND,  # RecordKind: SPARSE or HISTORY
+) = range(15)
+ROW_COLUMNS = 15
+HISTORY_BITMAP_MISMATCH = 6  # the reference bitmap does not mark count - new_count positions (padding: zero)
+HISTORY_REPEATS = 7  # a new position repeats one of the reference's
+_GAP_CODES = 1  # PositionCoding
+_DELTA, _EXP_PLANES = 1, 4  # ValueCoding
+_HISTORY = 6  # RecordKind
+
+
+def _row_positions(payloads: Any, at: int, n: int, escapes: int, gap_codes: bool, length: int, out: Any) -> int:
+    """Decode n positions coded at payloads[at:] into out (each checked inside a chunk of `length`); a status."""
+    status: int
+    if gap_codes:
+        status = _decode_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes], length, out)
+        return status
+    escaped = np.empty(escapes, np.uint64)
+    for k in range(escapes):
+        word = np.uint64(0)
+        for b in range(8):
+            word |= np.uint64(payloads[at + 2 * n + 8 * k + b]) << np.uint64(8 * b)
+        escaped[k] = word
+    status = _decode_positions_k(payloads[at : at + 2 * n], n, escaped, length, out)
+    return status
+
+
+def _history_positions(payloads: Any, at: int, row: Any, fresh: Any, found: Any, ref_deltas: Any) -> int:
+    """A HISTORY record's positions into `found` and each one's reference delta into ref_deltas; a status.
+
+    As parse's HISTORY decoding: the bitmap marks the reference positions that changed again
+    (exactly count - new_count, zero padding), the new positions (into `fresh`) are merged in.
+    """
+    ref_count, n = row[ROW_REF_COUNT], row[ROW_NEW_COUNT]
+    again = np.zeros(ref_count, np.bool_)
+    marked = 0
+    for i in range((ref_count + 7) // 8 * 8):
+        bit = (payloads[at + (i >> 3)] >> (i & 7)) & 1
+        if i >= ref_count and bit:
+            return HISTORY_BITMAP_MISMATCH
+        if i < ref_count:
+            again[i] = bit == 1
+            marked += bit
+    if marked != row[ROW_COUNT] - n:
+        return HISTORY_BITMAP_MISMATCH
+    at += (ref_count + 7) // 8
+    gap_codes = row[ROW_POSITIONS] == _GAP_CODES
+    status = _row_positions(payloads, at, n, row[ROW_ESCAPES], gap_codes, row[ROW_LENGTH], fresh)
+    if status != POSITIONS_OK:
+        return status
+    reference = _carray(_pointer(row[ROW_REF_POSITIONS]), ref_count, np.int64)
+    reference_deltas = _carray(_pointer(row[ROW_REF_DELTAS]), ref_count, np.int16)
+    if not _merge_history_k(reference, reference_deltas, again, fresh, found, ref_deltas):
+        return HISTORY_REPEATS
+    return POSITIONS_OK
+
+
+def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: Any, lanes: Any) -> tuple[int, int, int]:
+    """Decode and apply SPARSE and HISTORY records of 2-byte floats, one per row of `table`, in one call.
+
+    Every record's codes are checked before it writes anything, and every position before it
+    is written; a record's positions, old values and deltas go to the output arrays at ROW_OUT,
+    its digest change to lanes[row] (unless lanes has no columns). `payloads` is padded with 8
+    zero bytes. Chunks and reference chunks are given by address (the caller keeps them alive and
+    checked them against the records' dtypes, shapes and counts): a typed list of arrays cost
+    ~10 us a record. Returns (-1, POSITIONS_OK, 0), or the first failing row, its status and how
+    many of its elements it wrote (rows before it are applied). Per record this is what
+    decode_record and apply_record do; in one call, the Python and dispatch per record are paid
+    once a batch.
+    """
+    for r in range(table.shape[0]):
+        row = table[r]
+        chunk = _carray(_pointer(row[ROW_TARGET]), row[ROW_LENGTH], np.int16)
+        at, n, escapes, out = row[ROW_PAYLOAD], row[ROW_COUNT], row[ROW_ESCAPES], row[ROW_OUT]
+        coding, first, gap_codes = row[ROW_CODING], row[ROW_FIRST], row[ROW_POSITIONS] == _GAP_CODES
+        found, row_old, row_deltas = positions[out : out + n], old[out : out + n], deltas[out : out + n]
+        row_lanes, by_class = lanes[r], coding == _EXP_PLANES
+        if row[ROW_KIND] == _HISTORY:
+            ref_deltas = np.empty(n, np.int16)
+            status = _history_positions(payloads, at, row, np.empty(row[ROW_NEW_COUNT], np.int64), found, ref_deltas)
+            if status != POSITIONS_OK:
+                return r, status, 0
+            planes_at = at + (row[ROW_REF_COUNT] + 7) // 8 + _positions_len(row[ROW_NEW_COUNT], escapes, gap_codes)
+            planes = payloads[planes_at : planes_at + 2 * n]
+            _apply_planes_k(chunk, found, planes, by_class, ref_deltas, row_old, row_deltas, first, row_lanes)
+            continue
+        values_at = at + _positions_len(n, escapes, gap_codes)
+        if coding != _DELTA:
+            status = _row_positions(payloads, at, n, escapes, gap_codes, chunk.size, found)
+            if status != POSITIONS_OK:
+                return r, status, 0
+            planes = payloads[values_at : values_at + 2 * n]
+            _apply_planes_k(chunk, found, planes, by_class, _EMPTY_REF, row_old, row_deltas, first, row_lanes)
+            continue
+        if gap_codes:
+            status = _check_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes])
+        else:
+            status = _row_positions(payloads, at, n, escapes, gap_codes, chunk.size, found)
+        if status != POSITIONS_OK:
+            return r, status, 0
+        packed_len, value_escapes = (n + 3) // 4, row[ROW_VALUE_ESCAPES]
+        packed = payloads[values_at : values_at + packed_len]
+        if _count_escape_codes_k(packed, n) != value_escapes:
+            return r, VALUES_ESCAPES_MISMATCH, 0
+        escaped = np.empty(value_escapes, np.uint16)
+        low = values_at + packed_len
+        for k in range(value_escapes):
+            escaped[k] = np.uint16(payloads[low + k]) | (np.uint16(payloads[low + value_escapes + k]) << 8)
+        if not gap_codes:
+            _apply_delta_k(chunk, found, packed, escaped, row_old, row_deltas, first, row_lanes)
+            continue
+        status, done = _apply_delta_gap_codes_k(
+            chunk, payloads, at, n, packed, escaped, found, row_old, row_deltas, first, row_lanes
+        )
+        if status != POSITIONS_OK:
+            return r, status, done
+    return -1, POSITIONS_OK, 0
+
+
+def _positions_len(n: int, escapes: int, gap_codes: bool) -> int:
+    """Bytes of n coded positions (format.positions_len)."""
+    return n + escapes if gap_codes else 2 * n + 8 * escapes
+
+
+_EMPTY_REF = np.empty(0, np.int16)
+
 _njit = numba.njit(cache=True, nogil=True, boundscheck=False) if numba is not None else None
+if numba is not None:  # the kernels call these compiled, inlined
+    _lanes_of = numba.njit(inline="always", boundscheck=False)(_lanes_of)
+    _gap_at = numba.njit(inline="always", boundscheck=False)(_gap_at)
+    _check_gap_codes = numba.njit(nogil=True, boundscheck=False)(_check_gap_codes)
+    _add_ordered = numba.njit(inline="always")(_add_ordered)
+    _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()
 apply_delta_2byte: Callable[..., None] | None = _njit(_apply_delta_2byte) if _njit else None
 decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decode_positions) if _njit else None
 count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes) if _njit else None
@@ -275,6 +571,22 @@ decode_gap_codes: Callable[[Any, Any, int, Any], int] | None = _njit(_decode_gap
 encode_gap_codes: Callable[[Any, Any, Any], int] | None = _njit(_encode_gap_codes) if _njit else None
 apply_planes_2byte: Callable[..., None] | None = _njit(_apply_planes_2byte) if _njit else None
 merge_history: Callable[..., bool] | None = _njit(_merge_history) if _njit else None
+# The batch kernel calls the others compiled (numba resolves these globals when it compiles it).
+_k: Any = _njit or (lambda f: None)
+_decode_positions_k: Any = decode_positions
+_decode_gap_codes_k: Any = decode_gap_codes
+_count_escape_codes_k: Any = count_escape_codes
+_apply_delta_k: Any = apply_delta_2byte
+_apply_planes_k: Any = apply_planes_2byte
+_merge_history_k: Any = merge_history
+_check_gap_codes_k: Any = _check_gap_codes
+_apply_delta_gap_codes_k: Any = _k(_apply_delta_gap_codes)
+_carray: Any = numba.carray if numba is not None else None  # type: ignore[attr-defined]
+if numba is not None:
+    _row_positions = numba.njit(boundscheck=False)(_row_positions)
+    _history_positions = numba.njit(boundscheck=False)(_history_positions)
+    _positions_len = numba.njit(inline="always")(_positions_len)
+apply_batch: Callable[..., tuple[int, int, int]] | None = _k(_apply_batch)
 enabled = numba is not None  # tests switch it off to compare with the numpy path
 
 
@@ -283,7 +595,7 @@ def warm_up() -> None:
     if not enabled or numba is None:
         return
     assert apply_delta_2byte and decode_positions and count_escape_codes and decode_gap_codes and encode_gap_codes
-    assert apply_planes_2byte and merge_history
+    assert apply_planes_2byte and merge_history and apply_batch
     # Payload buffers are read-only views of the decompressed bytes: numba compiles those apart.
     planes, escapes, positions = np.frombuffer(bytes(2), np.uint8), np.zeros(0, np.uint64), np.zeros(1, np.int64)
     decode_positions(planes, 1, escapes, 1, positions)
@@ -295,3 +607,6 @@ def warm_up() -> None:
         apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
         apply_planes_2byte(chunk, positions, planes, True, np.empty(0, np.int16), old, deltas, 0, lanes)
     merge_history(positions, deltas, np.ones(1, bool), positions[:0], positions.copy(), deltas.copy())
+    for columns in (2, 0):
+        table = np.zeros((0, ROW_COLUMNS), np.int64)
+        apply_batch(planes, table, positions, old, deltas, np.zeros((0, columns), np.uint64))

@@ -78,17 +78,8 @@ def decode_record(
     if h.raw_len == 0:  # END/REMOVE, or an added/replaced empty tensor
         empty = np.empty(0, NP_INT_OF_WIDTH[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
         return PatchRecord(h, None, empty)
-    where = f"record for tensor {h.name!r} at element {h.start}"
-    try:
-        declared = zstandard.frame_content_size(payload)
-        if declared != h.raw_len:
-            raise CorruptPatchError(f"{where}: zstd frame declares {declared} bytes, record {h.raw_len}")
-        raw = _decompressor().decompress(payload, max_output_size=h.raw_len)
-    except zstandard.ZstdError as e:
-        raise CorruptPatchError(f"{where}: payload does not decompress ({e})") from None
-    if len(raw) != h.raw_len:
-        raise CorruptPatchError(f"{where}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
-    buf = np.frombuffer(raw, np.uint8)
+    where = record_where(h)
+    buf = np.frombuffer(decompress_payload(h, payload, where), np.uint8)
     if h.kind == RecordKind.HISTORY:
         return _decode_history(buf, h, reference, where)
     if h.kind != RecordKind.SPARSE:
@@ -104,6 +95,25 @@ def decode_record(
         bits.check_escape_count(values[:packed_len], n, escaped.size, where)
         return PatchRecord(h, positions, None, (values[:packed_len], escaped))
     return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where))
+
+
+def record_where(h: RecordHeader) -> str:
+    """How errors name a record."""
+    return f"record for tensor {h.name!r} at element {h.start}"
+
+
+def decompress_payload(h: RecordHeader, payload: bytes | memoryview, where: str) -> bytes:
+    """A record's payload decompressed: exactly the raw_len bytes its header declares, or CorruptPatchError."""
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared != h.raw_len:
+            raise CorruptPatchError(f"{where}: zstd frame declares {declared} bytes, record {h.raw_len}")
+        raw = _decompressor().decompress(payload, max_output_size=h.raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptPatchError(f"{where}: payload does not decompress ({e})") from None
+    if len(raw) != h.raw_len:
+        raise CorruptPatchError(f"{where}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
+    return raw
 
 
 def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | None, where: str) -> PatchRecord:

@@ -65,7 +65,7 @@ class ChainClient:
 
     store: Store
     trusted: Mapping[str, Ed25519PublicKey]
-    threads: int = 1
+    threads: int | None = 1
     bytes_downloaded: int = 0
     manifests_verified: int = 0
     published_at: dict[int, dt.datetime] = field(default_factory=dict)  # creation times of the recent manifests read

@@ -144,7 +144,7 @@ class Subscriber:
             raise ConfigError("trusted_keys: a subscriber needs at least one trusted public key (--trusted-key)")
         self.config = config
         self.store = store or open_store(config.store)
-        self.chain = ChainClient(self.store, trusted, threads=config.codec.threads or 1, stream_id=config.stream_id)
+        self.chain = ChainClient(self.store, trusted, threads=config.codec.threads, stream_id=config.stream_id)
         sink_configs = list(config.sinks)
         if config.out_dir is not None:
             sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))
@@ -288,6 +288,10 @@ class Subscriber:
                 log.error("%s; retried at the next sync", e)
             finally:
                 self._compacting = None
+
+    async def saved(self) -> None:
+        """Wait until the served state is in cache_dir (a compaction in the background has finished)."""
+        await self._compacted()
 
     async def close(self) -> None:
         """Finish writing the state cache; release the store."""
