@@ -146,8 +146,9 @@ def update_digest(
             rehash.add(name)
             continue
         lanes[name] = mixsum.add(lanes.get(name) or mixsum.from_hex(tensors[name].digest), moved)
-    for name, sums in lanes.items():
-        tensors[name] = tensors[name].model_copy(update={"digest": mixsum.to_hex(sums)})
+    for name, sums in lanes.items():  # (validated fields with a digest of our own making: no revalidation)
+        kept = tensors[name]
+        tensors[name] = TensorDigest.model_construct(dtype=kept.dtype, shape=kept.shape, digest=mixsum.to_hex(sums))
     for name in rehash:
         tensors[name] = tensor_digest(state[name], base.algorithm)
     tensors = {n: tensors[n] for n in sorted(tensors)}

@@ -208,14 +208,20 @@ class PatchDecoder:
         """Consume bytes; return the records they complete as (header, compressed payload)."""
         if self.done and len(data):
             raise CorruptPatchError("patch has trailing bytes after its end record")
-        self._buf += data
+        # With nothing buffered, records are parsed in `data` itself and their payloads are views
+        # of it (no copy of the patch, nor of each payload); only an incomplete tail is kept.
+        whole = not self._buf
+        if not whole:
+            self._buf += data
         out: list[tuple[RecordHeader, memoryview]] = []
-        view = memoryview(self._buf)
+        view = memoryview(data).cast("B") if whole else memoryview(self._buf)
         offset = 0
         try:
             if self.header is None:
                 parsed = parse_header(view)
                 if parsed is None:
+                    if whole:
+                        self._buf += view
                     return out
                 self.header, offset, self.version = parsed
                 if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
@@ -231,16 +237,22 @@ class PatchDecoder:
                     break
                 self._admit(h)
                 if h.kind != RecordKind.END:
-                    payload = bytes(view[payload_start : payload_start + h.comp_len])
+                    payload = view[payload_start : payload_start + h.comp_len]
+                    if not whole:  # the buffer is trimmed below: the payload needs its own bytes
+                        payload = memoryview(bytes(payload))
                     if payload_hash(payload) != h.payload_hash:
                         raise CorruptPatchError(f"record for tensor {h.name!r}: payload hash mismatch (corrupted)")
-                    out.append((h, memoryview(payload)))
+                    out.append((h, payload))
                 offset = payload_start + h.comp_len
             if self.done and offset != len(view):
                 raise CorruptPatchError("patch has trailing bytes after its end record")
         finally:
-            view.release()
-        del self._buf[:offset]
+            if not whole:
+                view.release()
+        if whole:
+            self._buf += view[offset:]
+        else:
+            del self._buf[:offset]
         return out
 
     def _admit(self, h: RecordHeader) -> None:
