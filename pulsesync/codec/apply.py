@@ -522,7 +522,7 @@ def _apply_batch(
         """(the first row not applied, or the range's end; elements that row wrote; the error that stopped it)."""
         first, stop = rows_range
         error: CorruptPatchError | None = None
-        into = memoryview(payloads)  # (a memoryview's slice assignment costs a fifth of numpy's)
+        into = memoryview(payloads.data)  # (a memoryview's slice assignment costs a fifth of numpy's)
         for index in range(first, stop):
             h, payload = batch[index]
             try:
