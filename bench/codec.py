@@ -10,6 +10,9 @@ encode (diff + encode + compress) and decode + apply throughput in GB/s of dense
 the bytes go: positions, values and framing (headers, zstd frame overhead), exact for pulsesync
 (EncodedPatch.wire), estimated for PULSE (pulse_wire). A sweep (bytes only, untimed) keeps every
 step's ratio, density and split from the first optimizer step on at lr 1e-6, 3e-6 and 1e-5.
+Then a real causal LLM (bench/real_llm.py: SmolLM2-135M fine-tuned with AdamW at lr 1e-6 on
+English text) is coded step by step as a publisher codes it: `real_llm_ratio_vs_pulse` is its
+worst step's ratio to PULSE's default.
 
     python bench/codec.py                     # full run (145M parameters), prints a table
     python bench/codec.py --quick --json out.json   # < 60 s on 2 cores; the automation contract
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import real_llm  # bench/real_llm.py (this script's folder is on sys.path)
 import torch
 
 from pulsesync.codec import CodecParams, PatchHistory, apply_patch, encode
@@ -360,6 +364,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="also measure the default codec on states held on this device (e.g. cuda)")
+    parser.add_argument(
+        "--real-llm-steps", type=int, help="optimizer steps of the real LLM workload (default 6; quick 4; 0: skip)"
+    )
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
     measured = args.steps or (2 if args.quick else 4)
@@ -368,6 +375,10 @@ def main() -> None:
         args.sweep_steps = 2 if args.quick else 24
     t0 = time.perf_counter()
     sections = {w: run_workload(w, args, hidden, measured, reps) for w in WORKLOADS}
+    llm_steps = args.real_llm_steps if args.real_llm_steps is not None else (4 if args.quick else 6)
+    llm = real_llm.measure(llm_steps) if llm_steps else None
+    if llm is not None:
+        real_llm.print_table(llm)
     synthetic, real = sections["synthetic"], sections["real-like"]
     default = synthetic["methods"]["pulsesync v2 history-coded (default)"]
     pulse = "PULSE default (baseline)"
@@ -383,6 +394,9 @@ def main() -> None:
         "parameters": synthetic["parameters"],
         "real_like_ratio_vs_pulse": real["methods"]["pulsesync v2 stateless"]["ratio_vs_baseline"],
         "history_ratio_vs_pulse": real["methods"]["pulsesync v2 history-coded (default)"]["ratio_vs_baseline"],
+        # A real causal LLM fine-tune (bench/real_llm.py): the worst step's ratio to PULSE's default.
+        "real_llm_ratio_vs_pulse": llm["worst_ratio_vs_pulse"] if llm else None,
+        "real_llm": llm,
         "workloads": sections,
         "machine": {"cpus": default_threads(), "python": platform.python_version(), "torch": torch.__version__},
     }
