@@ -16,8 +16,10 @@ Measured, per size:
   fast_s                 median seconds of Subscriber.sync() one step ahead (list, manifest, patch,
                          verify, apply in place, incremental digest; the journal append follows)
   floor_s                the baseline: median seconds to flip one bit of each element a step changes
-                         in the held state (one read-modify-write each, nothing else): what the
-                         memory hierarchy alone charges a sparse update of that size
+                         in the held state (one read-modify-write each, nothing else; positions of
+                         steps never applied, after the fast steps): what the memory hierarchy
+                         alone charges a sparse update of that size
+  fast_over_floor        fast_s / floor_s; `fast_path_over_floor` in the JSON is the worst size's
   publisher_peak/model   peak RSS of the publisher process beyond the trainer's own state
   subscriber_peak/model  peak RSS of the subscriber process beyond its imports (cold start
                          included), and of the fast-path steps alone

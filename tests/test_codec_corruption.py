@@ -42,6 +42,13 @@ from pulsesync.errors import CorruptPatchError, IntegrityError, UnsupportedVersi
 from tests.support.helpers import assert_states_equal, clone_state, mutate, random_bits
 
 BF16 = dtype_info(torch.bfloat16)
+BOTH_KERNELS = pytest.mark.parametrize(  # numba's kernels (the batch kernel included), then numpy's path
+    "kernels",
+    [
+        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
+        pytest.param(False, id="numpy"),
+    ],
+)
 
 
 @pytest.fixture(scope="module")
@@ -209,51 +216,50 @@ def test_record_count_and_order_lies(pair, patch) -> None:
     _expect(CorruptPatchError, base, _assemble(more, duplicated), "out of order")
 
 
-def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int = 1024) -> bytes:
-    """A hand-made SPARSE record for tensor 'sparse' with the given u16 gaps and escapes."""
-    n = len(gaps)
-    gap_arr = np.array(gaps, np.uint16)
-    planes = gap_arr.view(np.uint8).reshape(-1, 2).T.tobytes()
-    values = np.zeros((n + 3) // 4, np.uint8).tobytes()  # codes 0: sym 0 -> zigzag 1 -> delta -1
-    payload_raw = planes + np.array(escapes, "<u8").tobytes() + values
+def _one_record_patch(
+    base: dict,
+    kind: RecordKind,
+    coding: ValueCoding,
+    payload_raw: bytes,
+    count: int,
+    reference: str | None = None,
+    **fields: object,
+) -> bytes:
+    """A patch of one hand-made record for tensor 'sparse' (chunk [0, 1024)), its checksums right."""
     payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
-    h = RecordHeader(
-        RecordKind.SPARSE,
-        "sparse",
-        BF16,
-        (3000,),
-        ValueCoding.DELTA,
-        0,
-        length,
-        n,
-        len(escapes),
-        0,
-        len(payload_raw),
-        len(payload),
-        payload_hash(payload),
-    )
+    raw, comp = len(payload_raw), len(payload)
+    h = RecordHeader(kind, "sparse", BF16, (3000,), coding, 0, 1024, count, 0, 0, raw, comp, payload_hash(payload))
+    h = dataclasses.replace(h, **fields)
+    assert raw_len_for(h) == raw
+    digest = "mixsum-128" if h.positions == PositionCoding.GAP_CODES else "xxh3-128"
     header = PatchHeader(
-        value_coding="delta",
+        value_coding="adaptive" if digest == "mixsum-128" else "delta",
         zstd_level=1,
         chunk_elements=1024,
-        digest_algorithm="xxh3-128",
-        base_digest=state_digest(base, "xxh3-128").root,
-        state_digest="0" * 32,
+        digest_algorithm=digest,
+        base_digest=state_digest(base, digest).root,
+        state_digest="0" * 32,  # deliberately wrong: a patch that applies fails only at the end
         records=1,
-        decoded_bytes=len(payload_raw),
-        changed_elements=n,
+        decoded_bytes=raw,
+        changed_elements=count,
         dense_bytes=0,
+        reference_sha256=reference,
     )
     return _assemble(header, [(h, payload)])
 
 
-@pytest.mark.parametrize(
-    "kernels",
-    [
-        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
-        pytest.param(False, id="numpy"),
-    ],
-)
+def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int = 1024) -> bytes:
+    """A hand-made SPARSE record for tensor 'sparse' with the given u16 gaps and escapes."""
+    n = len(gaps)
+    planes = np.array(gaps, np.uint16).view(np.uint8).reshape(-1, 2).T.tobytes()
+    values = np.zeros((n + 3) // 4, np.uint8).tobytes()  # codes 0: sym 0 -> zigzag 1 -> delta -1
+    payload_raw = planes + np.array(escapes, "<u8").tobytes() + values
+    return _one_record_patch(
+        base, RecordKind.SPARSE, ValueCoding.DELTA, payload_raw, n, escapes=len(escapes), length=length
+    )
+
+
+@BOTH_KERNELS
 def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair, kernels: bool, monkeypatch) -> None:
     base, _ = pair
     monkeypatch.setattr(fused, "enabled", kernels)
@@ -276,39 +282,16 @@ def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair, kernel
     assert not torch.equal(work["sparse"].view(torch.int16)[[0, 11]], expected)
 
 
-def _gap_codes_patch(base: dict, positions: list[int], length: int = 1024) -> bytes:
+def _gap_codes_patch(base: dict, positions: list[int]) -> bytes:
     """A hand-made SPARSE record for tensor 'sparse' with GAP_CODES positions (any, inside the chunk or not)."""
     codes, extra = encode_gap_codes(np.array(positions, np.int64))
     n = len(positions)
     payload_raw = codes.tobytes() + extra + np.zeros((n + 3) // 4, np.uint8).tobytes()  # every delta -1
-    payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
-    h = RecordHeader(
-        RecordKind.SPARSE, "sparse", BF16, (3000,), ValueCoding.DELTA, 0, length, n, len(extra), 0,
-        len(payload_raw), len(payload), payload_hash(payload), positions=PositionCoding.GAP_CODES,
-    )  # fmt: skip
-    assert raw_len_for(h) == len(payload_raw)
-    header = PatchHeader(
-        value_coding="adaptive",
-        zstd_level=1,
-        chunk_elements=1024,
-        digest_algorithm="mixsum-128",
-        base_digest=state_digest(base, "mixsum-128").root,
-        state_digest="0" * 32,
-        records=1,
-        decoded_bytes=len(payload_raw),
-        changed_elements=n,
-        dense_bytes=0,
-    )
-    return _assemble(header, [(h, payload)])
+    gap_codes = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES}
+    return _one_record_patch(base, RecordKind.SPARSE, ValueCoding.DELTA, payload_raw, n, **gap_codes)
 
 
-@pytest.mark.parametrize(
-    "kernels",
-    [
-        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
-        pytest.param(False, id="numpy"),
-    ],
-)
+@BOTH_KERNELS
 def test_a_position_outside_the_chunk_late_in_a_gap_coded_record_is_refused_and_rolled_back(
     pair, kernels: bool, monkeypatch
 ) -> None:
@@ -339,36 +322,14 @@ def _history_patch(base: dict, marked: int, fresh: list[int], count: int) -> tup
     reference.chunks[("sparse", 0, 1024)] = ChunkHistory(np.array([10, 20, 30], np.int64), np.ones(3, np.int16))
     codes, extra = encode_gap_codes(np.array(fresh, np.int64))
     payload_raw = bytes([marked]) + codes.tobytes() + extra + bytes(2 * count)  # PLANES: every residual 0
-    payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
-    h = RecordHeader(
-        RecordKind.HISTORY, "sparse", BF16, (3000,), ValueCoding.PLANES, 0, 1024, count, len(extra), 0,
-        len(payload_raw), len(payload), payload_hash(payload), ref_count=3, new_count=len(fresh),
-        positions=PositionCoding.GAP_CODES,
-    )  # fmt: skip
-    assert raw_len_for(h) == len(payload_raw)
-    header = PatchHeader(
-        value_coding="adaptive",
-        zstd_level=1,
-        chunk_elements=1024,
-        digest_algorithm="mixsum-128",
-        base_digest=state_digest(base, "mixsum-128").root,
-        state_digest="0" * 32,
-        records=1,
-        decoded_bytes=len(payload_raw),
-        changed_elements=count,
-        dense_bytes=0,
-        reference_sha256=reference.sha256,
+    fields = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES, "ref_count": 3, "new_count": len(fresh)}
+    patch = _one_record_patch(
+        base, RecordKind.HISTORY, ValueCoding.PLANES, payload_raw, count, reference.sha256, **fields
     )
-    return _assemble(header, [(h, payload)]), reference
+    return patch, reference
 
 
-@pytest.mark.parametrize(
-    "kernels",
-    [
-        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
-        pytest.param(False, id="numpy"),
-    ],
-)
+@BOTH_KERNELS
 def test_history_records_that_contradict_their_reference_are_refused_with_one_message(
     pair, kernels: bool, monkeypatch
 ) -> None:

@@ -1,18 +1,20 @@
-"""Fused kernels for the common record, compiled with numba when installed (`pulsesync[fast]`).
+"""Fused kernels for the common records, compiled with numba when installed (`pulsesync[fast]`).
 
-A sparse delta record of a 2-byte float (bf16, fp16) is most of every RL patch. With numpy its
-decode and apply take some fifteen passes over the changed elements, two of them random accesses
-into the tensor (gather, then scatter: a cache and TLB miss each). Here:
-- `decode_positions` turns the two gap byte planes (and escaped gaps) into positions in one pass,
+A sparse record of a 2-byte float (bf16, fp16) is most of every RL patch. With numpy its decode
+and apply take some fifteen passes over the changed elements, two of them random accesses into
+the tensor (gather, then scatter: a cache and TLB miss each). Here:
+- `decode_positions` / `decode_gap_codes` turn a record's gaps into positions in one pass,
   checking every position lies inside the chunk;
 - `count_escape_codes` counts the value codes that say "escaped" (checked against the record);
-- `apply_delta_2byte` gathers a block of old values (independent loads the CPU overlaps), then
-  applies the order-preserving deltas from cache, returns the old values for the undo log, and
-  updates the mixsum-128 state digest from the old and new bits it holds anyway.
-bits.decode_positions and bits.check_escape_count run the first two and check their results
-before the apply kernel runs, so it only ever indexes inside the chunk. Without numba the numpy
-path runs: the results (errors included) are bit-identical, which the tests check by running
-both.
+- `apply_delta_2byte` / `apply_planes_2byte` apply the order-preserving deltas in one
+  read-modify-write per element, the element AHEAD places on prefetched, return the old values for
+  the undo log, and update the mixsum-128 state digest from the old and new bits in a vectorized
+  pass;
+- `apply_batch` does all of that for a table of SPARSE and HISTORY records in one call (the
+  subscriber runs one per thread), GAP_CODES positions decoded in the apply loop itself.
+Every position is checked before it is written, so a kernel only ever indexes inside its chunk.
+Without numba the numpy path runs: the results (errors included) are bit-identical, which the
+tests check by running both.
 """
 
 from __future__ import annotations
@@ -217,6 +219,35 @@ def _add_ordered(old: Any, delta: Any) -> Any:
     return np.int16(s ^ ((s >> 15) & 0x7FFF))
 
 
+def _packed_delta(packed: Any, escapes: Any, i: int, k: int) -> tuple[Any, int]:
+    """The i-th packed DELTA value (unzigzag(code + 1), or of the next escape for code 3); the next escape index."""
+    code = (np.int32(packed[i >> 2]) >> (2 * (i & 3))) & 3
+    if code == SMALL_ESCAPE:
+        v = (np.int32(escapes[k]) + 1) & 0xFFFF
+        k += 1
+    else:
+        v = code + 1
+    return (v >> 1) ^ -(v & 1), k
+
+
+def _write(chunk: Any, p: Any, delta: Any, i: int, old_out: Any, new_bits: Any) -> None:
+    """chunk[p] moved by delta ordered steps; its old bits to old_out[i], its new ones to new_bits[i] (if kept)."""
+    old = chunk[p]
+    new = _add_ordered(np.int32(old), delta)
+    chunk[p] = new
+    old_out[i] = old
+    if new_bits.size:
+        new_bits[i] = new
+
+
+def _add_lanes_of(lanes: Any, positions: Any, old: Any, new_bits: Any, first: int) -> None:
+    """lanes += how the elements written moved the digest's lane sums (nothing if lanes is empty)."""
+    if lanes.size:
+        s0, s1 = _lanes_of(positions, old, new_bits, np.uint64(first))
+        lanes[0] += s0
+        lanes[1] += s1
+
+
 def _apply_delta_2byte(
     chunk: Any, positions: Any, packed: Any, escapes: Any, old_out: Any, deltas_out: Any, first: int, lanes: Any
 ) -> None:
@@ -230,31 +261,16 @@ def _apply_delta_2byte(
     """
     k = 0
     n = positions.size
-    history, digest = deltas_out.size > 0, lanes.size > 0
-    new_bits = np.empty(n if digest else 0, np.int16)
+    history = deltas_out.size > 0
+    new_bits = np.empty(n if lanes.size else 0, np.int16)
     for i in range(n):
         if i + AHEAD < n:
             _prefetch(chunk, positions[i + AHEAD])
-        code = (np.int32(packed[i >> 2]) >> (2 * (i & 3))) & 3
-        if code == SMALL_ESCAPE:
-            v = (np.int32(escapes[k]) + 1) & 0xFFFF
-            k += 1
-        else:
-            v = code + 1
-        delta = (v >> 1) ^ -(v & 1)
-        p = positions[i]
-        old = chunk[p]
-        new = _add_ordered(np.int32(old), delta)
-        chunk[p] = new
-        old_out[i] = old
+        delta, k = _packed_delta(packed, escapes, i, k)
+        _write(chunk, positions[i], delta, i, old_out, new_bits)
         if history:
             deltas_out[i] = delta
-        if digest:
-            new_bits[i] = new
-    if digest:
-        s0, s1 = _lanes_of(positions, old_out, new_bits, np.uint64(first))
-        lanes[0] += s0
-        lanes[1] += s1
+    _add_lanes_of(lanes, positions, old_out, new_bits, first)
 
 
 def _gap_at(code: Any, payloads: Any, bit: Any) -> tuple[Any, Any]:
@@ -301,8 +317,8 @@ def _apply_delta_gap_codes(
         positions_out[i] = p
         _prefetch(chunk, p)
     k = 0
-    history, digest = deltas_out.size > 0, lanes.size > 0
-    new_bits = np.empty(n if digest else 0, np.int16)
+    history = deltas_out.size > 0
+    new_bits = np.empty(n if lanes.size else 0, np.int16)
     for i in range(n):
         ahead = i + AHEAD
         if ahead < n:
@@ -312,26 +328,11 @@ def _apply_delta_gap_codes(
                 return POSITIONS_OUTSIDE, i
             positions_out[ahead] = p
             _prefetch(chunk, p)
-        code = (np.int32(packed[i >> 2]) >> (2 * (i & 3))) & 3
-        if code == SMALL_ESCAPE:
-            v = (np.int32(escapes[k]) + 1) & 0xFFFF
-            k += 1
-        else:
-            v = code + 1
-        delta = (v >> 1) ^ -(v & 1)
-        q = positions_out[i]
-        old = chunk[q]
-        new = _add_ordered(np.int32(old), delta)
-        chunk[q] = new
-        old_out[i] = old
+        delta, k = _packed_delta(packed, escapes, i, k)
+        _write(chunk, positions_out[i], delta, i, old_out, new_bits)
         if history:
             deltas_out[i] = delta
-        if digest:
-            new_bits[i] = new
-    if digest:
-        s0, s1 = _lanes_of(positions_out[:n], old_out, new_bits, np.uint64(first))
-        lanes[0] += s0
-        lanes[1] += s1
+    _add_lanes_of(lanes, positions_out[:n], old_out, new_bits, first)
     return POSITIONS_OK, n
 
 
@@ -364,8 +365,7 @@ def _apply_planes_2byte(
             next_in_class[((np.int32(old_out[i]) >> 7) & 0xFF) + 1] += 1
         for c in range(256):
             next_in_class[c + 1] += next_in_class[c]
-    digest = lanes.size > 0
-    new_bits = np.empty(n if digest else 0, np.int16)
+    new_bits = np.empty(n if lanes.size else 0, np.int16)
     for i in range(n):
         if i + AHEAD < n:
             _prefetch(chunk, positions[i + AHEAD])
@@ -381,16 +381,9 @@ def _apply_planes_2byte(
         if ref_deltas.size:
             delta += np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
-        new = _add_ordered(np.int32(old), delta)
-        chunk[p] = new
-        old_out[i] = old
+        _write(chunk, p, delta, i, old_out, new_bits)
         deltas_out[i] = delta
-        if digest:
-            new_bits[i] = new
-    if digest:
-        s0, s1 = _lanes_of(positions, old_out, new_bits, np.uint64(first))
-        lanes[0] += s0
-        lanes[1] += s1
+    _add_lanes_of(lanes, positions, old_out, new_bits, first)
 
 
 def _merge_history(
@@ -563,6 +556,9 @@ if numba is not None:  # the kernels call these compiled, inlined
     _gap_at = numba.njit(inline="always", boundscheck=False)(_gap_at)
     _check_gap_codes = numba.njit(nogil=True, boundscheck=False)(_check_gap_codes)
     _add_ordered = numba.njit(inline="always")(_add_ordered)
+    _packed_delta = numba.njit(inline="always", boundscheck=False)(_packed_delta)
+    _write = numba.njit(inline="always", boundscheck=False)(_write)
+    _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()
 apply_delta_2byte: Callable[..., None] | None = _njit(_apply_delta_2byte) if _njit else None
 decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decode_positions) if _njit else None
