@@ -305,7 +305,7 @@ def apply_patch(
     each tensor is re-hashed on another core as soon as its last record is applied (overlapping
     the decode of the next ones), and tensors the patch does not touch keep their base digest.
     On any error `state` may be partially patched: pass an `undo` log and roll it back, or apply
-    to a working copy and discard it. SPARSE records of 2-byte floats on the CPU (nearly all of an
+    to a working copy and discard it. SPARSE and HISTORY records of 2-byte floats on the CPU (nearly all of an
     RL patch) are decoded and applied in compiled batches, one per thread; the other records one
     at a time, on `threads` threads (None: one per CPU).
 
