@@ -319,3 +319,27 @@ def test_escape_count_is_checked_the_same_on_both_paths(kernels: bool, monkeypat
     assert np.array_equal(
         bits.unpack_small_deltas(packed, values.size, escapes, 1, "r"), bits.unzigzag(values, np.int16)
     )
+
+
+_WARM_UP_THEN_APPLY = """
+import torch
+from pulsesync.codec import apply_patch, encode_patch, fused
+fused.warm_up()
+gen = torch.Generator().manual_seed(0)
+base = {"w": torch.randn(1 << 16, generator=gen).to(torch.bfloat16)}
+new = {"w": base["w"].clone()}
+new["w"].view(torch.int16)[::97] += 1
+apply_patch(base, encode_patch(base, new))
+print(len(fused.apply_batch.signatures))
+"""
+
+
+@pytest.mark.skipif(fused.apply_batch is None, reason="numba is not installed")
+def test_warm_up_compiles_the_batch_kernel_for_the_arrays_a_patch_gives_it() -> None:
+    """A fresh process: after fused.warm_up, applying a patch compiles nothing more (a second
+    signature compiles inside the subscriber's first sync, seconds on a machine without numba's cache)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WARM_UP_THEN_APPLY], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1"]

@@ -416,10 +416,13 @@ def _apply_records(
     moved: list[tuple[str, tuple[int, int]]] = []
     batched: list[str] = []  # tensors the batch kernel changed (re-hashed at the end, as needed)
     if fused.apply_batch is not None and fused.enabled:
-        batch = [item for item in raw_records if _batchable(item[0], state)]
+        batch: list[tuple[RecordHeader, memoryview]] = []
+        rest: list[tuple[RecordHeader, memoryview]] = []
+        for item in raw_records:
+            (batch if _batchable(item[0], state) else rest).append(item)
         if batch:
             moved += _apply_batch(state, batch, undo, references, history, threads, incremental)
-            raw_records = [item for item in raw_records if not _batchable(item[0], state)]
+            raw_records = rest
             batched = list(dict.fromkeys(h.name for h, _ in batch))
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:

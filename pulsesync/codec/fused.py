@@ -25,7 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from pulsesync.codec.format import ESCAPE, GAP_DIRECT, MAX_GAP_CODE, SMALL_ESCAPE
+from pulsesync.codec.format import (
+    ESCAPE,
+    GAP_DIRECT,
+    MAX_GAP_CODE,
+    SMALL_ESCAPE,
+    PositionCoding,
+    RecordKind,
+    ValueCoding,
+)
 from pulsesync.mixsum import term_change
 
 try:
@@ -430,9 +438,9 @@ def _merge_history(
 ROW_COLUMNS = 15
 HISTORY_BITMAP_MISMATCH = 6  # the reference bitmap does not mark count - new_count positions (padding: zero)
 HISTORY_REPEATS = 7  # a new position repeats one of the reference's
-_GAP_CODES = 1  # PositionCoding
-_DELTA, _EXP_PLANES = 1, 4  # ValueCoding
-_HISTORY = 6  # RecordKind
+_GAP_CODES = int(PositionCoding.GAP_CODES)  # (numba compares plain ints)
+_DELTA, _EXP_PLANES = int(ValueCoding.DELTA), int(ValueCoding.EXP_PLANES)
+_HISTORY = int(RecordKind.HISTORY)
 
 
 def _row_positions(payloads: Any, at: int, n: int, escapes: int, gap_codes: bool, length: int, out: Any) -> int:
@@ -603,6 +611,6 @@ def warm_up() -> None:
         apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
         apply_planes_2byte(chunk, positions, planes, True, np.empty(0, np.int16), old, deltas, 0, lanes)
     merge_history(positions, deltas, np.ones(1, bool), positions[:0], positions.copy(), deltas.copy())
-    for columns in (2, 0):
+    for columns in (2, 0):  # its payloads are a writable arena (codec.apply._apply_batch), not a read-only view
         table = np.zeros((0, ROW_COLUMNS), np.int64)
-        apply_batch(planes, table, positions, old, deltas, np.zeros((0, columns), np.uint64))
+        apply_batch(np.zeros(8, np.uint8), table, positions, old, deltas, np.zeros((0, columns), np.uint64))
