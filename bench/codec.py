@@ -221,7 +221,12 @@ def pulsesync_method(params: CodecParams, history: bool = False) -> tuple[Encode
     return enc, dec
 
 
-def _entropy_bits(*columns: np.ndarray) -> float:
+def ordered(v: np.ndarray) -> np.ndarray:
+    """int16 bit patterns (held in wider ints) in the codec's order-preserving map."""
+    return np.where(v < 0, v ^ 0x7FFF, v)
+
+
+def entropy_bits(*columns: np.ndarray) -> float:
     """Order-0 entropy (total bits) of the last column given the others (empirical joint counts)."""
     joint = np.stack([c.astype(np.int64) for c in columns], axis=1)
     _, counts = np.unique(joint, axis=0, return_counts=True)
@@ -235,9 +240,6 @@ def _entropy_bits(*columns: np.ndarray) -> float:
 def entropy_bounds(steps: list[Step]) -> tuple[float, float]:
     """Bytes per change: order-0 (position gaps + ordered deltas) and conditional (deltas given the old
     value's exponent and the position's delta at the previous step, clipped to +-8; gaps order-0)."""
-
-    def ordered(v: np.ndarray) -> np.ndarray:
-        return np.where(v < 0, v ^ 0x7FFF, v)  # the codec's order-preserving map
 
     order0 = conditional = changes = 0.0
     for s in steps:
@@ -254,8 +256,8 @@ def entropy_bounds(steps: list[Step]) -> tuple[float, float]:
                 previous.append(np.clip(ordered(a[pos]) - ordered(p[pos]), -8, 8))
         g, d, e = np.concatenate(gaps), np.concatenate(deltas), np.concatenate(exps)
         prev = np.concatenate(previous) if previous else np.zeros_like(d)
-        order0 += _entropy_bits(g) + _entropy_bits(d)
-        conditional += _entropy_bits(g) + _entropy_bits(e, prev, d)
+        order0 += entropy_bits(g) + entropy_bits(d)
+        conditional += entropy_bits(g) + entropy_bits(e, prev, d)
         changes += s.changed
     return order0 / 8 / changes, conditional / 8 / changes
 

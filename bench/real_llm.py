@@ -89,7 +89,7 @@ def fine_tune(steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, s
     return states
 
 
-def step_statistics(before: State | None, old: State, new: State) -> dict[str, float]:
+def step_statistics(before: State, old: State, new: State) -> dict[str, float]:
     """Density, ULP moves (ordered-integer deltas) and recurrence (changed at the step before too)."""
     changed = total = one_ulp = small = again = 0
     for name, t in new.items():
@@ -105,24 +105,13 @@ def step_statistics(before: State | None, old: State, new: State) -> dict[str, f
         moves = (ordered[1] - ordered[0]).abs()
         one_ulp += int((moves == 1).sum())
         small += int((moves <= 4).sum())
-        if before is not None:
-            again += int((where & (before[name].reshape(-1).view(torch.int16) != a)).sum())
+        again += int((where & (before[name].reshape(-1).view(torch.int16) != a)).sum())
     return {
         "density": changed / total,
         "one_ulp": one_ulp / max(changed, 1),
         "within_4_ulp": small / max(changed, 1),
-        "recurring": again / max(changed, 1) if before is not None else 0.0,
+        "recurring": again / max(changed, 1),
     }
-
-
-def _entropy(*columns: np.ndarray) -> float:
-    """Order-0 entropy in bits (the total) of the joint columns."""
-    _, counts = np.unique(np.stack([c.astype(np.int64) for c in columns], axis=1), axis=0, return_counts=True)
-    return float(-(counts * np.log2(counts / counts.sum())).sum())
-
-
-def _ordered(bits: np.ndarray) -> np.ndarray:
-    return np.where(bits < 0, bits ^ 0x7FFF, bits)
 
 
 def coding_leads(states: list[State], step: int) -> dict[str, float]:
@@ -132,6 +121,8 @@ def coding_leads(states: list[State], step: int) -> dict[str, float]:
     old bits; and a HISTORY residual against the previous step's delta in ordered integers (today's)
     or in float space (new = old + (old - previous) in fp32, rounded to bf16).
     """
+    from codec import entropy_bits, ordered  # bench/codec.py (which imports this module at its top)
+
     bitmap = 0.0
     deltas, olds, residual_int, residual_float = [], [], [], []
     for name, t in states[step].items():
@@ -146,28 +137,26 @@ def coding_leads(states: list[State], step: int) -> dict[str, float]:
             d = float((changed & in_class).sum() / in_class.sum())
             bitmap += 0.0 if d >= 1 else -in_class.sum() * (d * np.log2(d) + (1 - d) * np.log2(1 - d))
         where = np.flatnonzero(changed)
-        delta = _ordered(b[where]) - _ordered(a[where])
+        delta = ordered(b[where]) - ordered(a[where])
         deltas.append(delta)
         olds.append(a[where])
-        if step >= 2:
-            before = states[step - 2][name].reshape(-1)[where]
-            p = before.view(torch.int16).numpy().astype(np.int32)
-            residual_int.append(delta - (_ordered(a[where]) - _ordered(p)))
-            now = states[step - 1][name].reshape(-1)[where].float()
-            predicted = (now + (now - before.float())).to(torch.bfloat16).view(torch.int16).numpy().astype(np.int32)
-            residual_float.append(_ordered(b[where]) - _ordered(predicted))
+        before = states[step - 2][name].reshape(-1)[where]
+        p = before.view(torch.int16).numpy().astype(np.int32)
+        residual_int.append(delta - (ordered(a[where]) - ordered(p)))
+        now = states[step - 1][name].reshape(-1)[where].float()
+        predicted = (now + (now - before.float())).to(torch.bfloat16).view(torch.int16).numpy().astype(np.int32)
+        residual_float.append(ordered(b[where]) - ordered(predicted))
     d, o = np.concatenate(deltas), np.concatenate(olds)
     n = d.size
-    leads = {
+    return {  # entropy_bits: of its last column given the others
         "positions_class_bitmap": bitmap / n,
-        "values": _entropy(d) / n,
-        "values_given_class": (_entropy((o >> 7) & 0xFF, d) - _entropy((o >> 7) & 0xFF)) / n,
-        "values_given_old_bits": (_entropy(o, d) - _entropy(o)) / n,
+        "values": entropy_bits(d) / n,
+        "values_given_class": entropy_bits((o >> 7) & 0xFF, d)
+        / n,  # (entropy_bits: of the last column given the others)
+        "values_given_old_bits": entropy_bits(o, d) / n,
+        "history_residual_ordered": entropy_bits(np.concatenate(residual_int)) / n,
+        "history_residual_float": entropy_bits(np.concatenate(residual_float)) / n,
     }
-    if residual_int:
-        leads["history_residual_ordered"] = _entropy(np.concatenate(residual_int)) / n
-        leads["history_residual_float"] = _entropy(np.concatenate(residual_float)) / n
-    return leads
 
 
 def patches(states: list[State], params: CodecParams | None = None) -> list[dict[str, Any]]:
@@ -179,7 +168,7 @@ def patches(states: list[State], params: CodecParams | None = None) -> list[dict
         old, new = states[step - 1], states[step]
         encoded = encode(old, new, params, reference=None if reference is None else reference.history)
         pulse = len(pulse_encode(old, new))
-        before = states[step - 2] if step >= 2 else None
+        before = states[step - 2]  # (step 2's: the state before the anchor's step)
         row = {"step": step, "pulsesync_bytes": len(encoded.data), "pulse_bytes": pulse}
         row |= {"ratio_vs_pulse": pulse / len(encoded.data), "codings": encoded.codings}
         row |= step_statistics(before, old, new)
