@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +17,8 @@ import pytest
 import torch
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from pulsesync.cli import main
@@ -28,8 +30,8 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig, DirectorySink, DirectorySinkConfig, SGLangSinkConfig
 from pulsesync.sinks.base import Update
 from pulsesync.sinks.directory import recorded
-from pulsesync.sinks.vllm_worker import WeightApplier
-from pulsesync.sinks.weight_update import WeightUpdate, build_update
+from pulsesync.sinks.vllm_worker import LiveRebuilder, WeightApplier
+from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
@@ -253,7 +255,7 @@ def test_weight_applier_validates_before_it_changes_anything(states: list[dict[s
     result = applier.apply(delta, "delta")
     assert result["written"] == len(delta.names) and result["reloaded"] == 0
     assert_states_equal(dict(engine.state_dict()), states[1])
-    assert applier.held() == {"step": 1, "digest": digest.root}
+    assert applier.held() == {"step": 1, "digest": digest.root, "kept_bytes": 0}  # every module in place
     with pytest.raises(EngineError, match="not a pulsesync update"):
         WeightUpdate.from_file(tensors, {}, "f")
 
@@ -303,7 +305,13 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
                 if name != "o_proj.weight":
                     params[slot.param].narrow(0, slot.row_offset, slot.shape[0]).copy_(t)
 
-    applier = WeightApplier(model, reload)
+    rebuilt: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
+
+    class Rebuilder(LiveRebuilder):  # records what a repacked module is rebuilt from
+        def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+            rebuilt.append((module, dict(tensors)))
+
+    applier = WeightApplier(model, reload, Rebuilder())
     layout = applier.layout
     assert layout.aliases == {"lm_head.weight": "embed.weight"}
     assert (layout.slots["k_proj.weight"].row_offset, layout.slots["k_proj.weight"].shape) == (4, (2, 4))
@@ -324,9 +332,12 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
     }
     result = applier.apply(WeightUpdate(1, "s1", "s0", sparse=sparse), "delta")
     assert (result["written"], result["reloaded"]) == (2, 1)
-    assert reloaded[-1] == ["o_proj.weight"]  # the repacked module alone, whole, from the extension's copy
-    o_proj = applier.shadow["o_proj.weight"].view(-1)[0:2]
-    assert torch.equal(o_proj, torch.tensor([5.0, 4.0], dtype=torch.bfloat16))
+    assert len(reloaded) == 1  # only the full update went through vLLM's loader
+    [(module, tensors)] = rebuilt  # the repacked module alone, whole, from the extension's copy
+    assert module is model.o_proj and list(tensors) == ["weight"] and tensors["weight"].shape == (4, 4)
+    expected = state["o_proj.weight"].clone()
+    expected.view(-1)[0] = 5.0
+    assert torch.equal(tensors["weight"].view(torch.int16), expected.view(torch.int16))
     fused = model.qkv_proj.weight.detach()
     assert torch.equal(fused[4:6].reshape(-1)[[1, 6]], k_values) and torch.equal(fused[0], state["q_proj.weight"][0])
     assert float(model.lm_head.weight.detach().view(-1)[3]) == 7.0
@@ -334,6 +345,94 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
     assert torch.equal(model.lm_head.packed, model.embed.weight.detach())
     with pytest.raises(EngineError, match=r"tied to 'embed\.weight'"):
         applier.apply(WeightUpdate(2, "s2", "s1", whole={"lm_head.weight": torch.ones(8, 4)}), "alias")
+
+
+def test_a_module_that_vllms_loader_places_otherwise_than_the_rules_is_refused_not_misupdated() -> None:
+    class Processing:  # vLLM's CPU linear method: packs the weight after loading
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            layer.packed = layer.weight.detach().clone()
+
+    class Linear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16), requires_grad=False)
+            self.quant_method, self.cpu_linear = Processing(), None  # computes from a packed copy
+
+    model = torch.nn.Module()
+    model.o_proj = Linear()
+
+    def reload(weights_iterator: Any) -> None:  # a loader that flips rows, which no rule of the layout says
+        for _, t in weights_iterator:
+            model.o_proj.weight.data.copy_(t.flip(0))
+            model.o_proj.quant_method.process_weights_after_loading(model.o_proj)
+
+    applier = WeightApplier(model, reload)
+    assert "o_proj" not in applier.layout.in_place
+    weight = torch.arange(16, dtype=torch.float32).reshape(4, 4).to(torch.bfloat16)
+    with pytest.raises(EngineError, match=r"module 'o_proj' \(vLLM's loader differs\)"):
+        applier.apply(WeightUpdate(0, "s0", None, whole={"o_proj.weight": weight}), "full")
+    assert applier.held()["digest"] is None
+    assert "process_weights_after_loading" not in vars(model.o_proj.quant_method)  # the check unhooks itself
+    delta = WeightUpdate(1, "s1", "s0", sparse={"o_proj.weight": (torch.tensor([0]), torch.ones(1))})
+    with pytest.raises(EngineError, match="cannot place the weights of module 'o_proj'"):
+        applier.apply(delta, "delta")
+
+
+@given(
+    rows=st.integers(1, 9),
+    columns=st.integers(1, 9),
+    dim=st.sampled_from([0, 1]),
+    data=st.data(),
+)
+def test_a_delta_cut_for_a_rank_moves_its_region_exactly_as_the_whole_delta_moves_the_tensor(
+    rows: int, columns: int, dim: int, data: st.DataObject
+) -> None:
+    shape = (rows, columns)
+    size = data.draw(st.integers(1, shape[dim]))
+    region = Region(shape, dim, data.draw(st.integers(0, shape[dim] - size)), size)
+    old = torch.arange(rows * columns, dtype=torch.float32).reshape(shape).to(torch.bfloat16)
+    positions = torch.tensor(sorted(data.draw(st.sets(st.integers(0, rows * columns - 1)))), dtype=torch.int32)
+    new = old.clone()
+    new.view(-1)[positions.long()] = -1.0
+    norm = torch.ones(3)
+    delta = WeightUpdate(1, "s1", "s0", whole={"norm": norm}, sparse={"w": (positions, new.view(-1)[positions.long()])})
+    part = delta.for_rank(1, {"w": region})
+    assert part.rank == 1 and part.whole["norm"] is norm  # tensors without a region go whole
+    local = region.take(old)
+    if "w" in part.sparse:
+        index, values = part.sparse["w"]
+        assert index.dtype == torch.int32
+        local.view(-1)[index.long()] = values
+    assert torch.equal(local.view(torch.int16), region.take(new).view(torch.int16))
+    tensors, meta = part.to_file()
+    assert WeightUpdate.from_file(tensors, meta, "f").rank == 1
+
+
+def test_a_worker_refuses_a_model_whose_layout_it_does_not_know_and_a_file_cut_for_another_rank() -> None:
+    class ExpertLinear(torch.nn.Module):  # sharded by a rule pulsesync does not know
+        def __init__(self) -> None:
+            super().__init__()
+            self.tp_size, self.tp_rank = 2, 0
+            self.weight = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+            self.weight.output_dim = 0  # type: ignore[attr-defined]
+
+    model = torch.nn.Module()
+    model.experts = ExpertLinear()
+    model.norm = torch.nn.Module()
+    model.norm.weight = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    applier = WeightApplier(model, copying_loader(model))
+    full = WeightUpdate(0, "s0", None, whole={"experts.weight": torch.ones(8, 4), "norm.weight": torch.ones(4)})
+    with pytest.raises(EngineError, match=r"module 'experts'.*ExpertLinear"):
+        applier.apply(full, "full")
+    assert torch.equal(model.experts.weight, torch.zeros(4, 4)) and applier.held()["digest"] is None
+
+    del model.experts
+    applier = WeightApplier(model, copying_loader(model), rank=0)
+    applier.apply(WeightUpdate(0, "s0", None, whole={"norm.weight": torch.ones(4)}), "full")
+    other = WeightUpdate(1, "s1", "s0", whole={"norm.weight": torch.zeros(4)}, rank=1)
+    with pytest.raises(EngineError, match="cut for rank 1, this worker is rank 0"):
+        applier.apply(other, "misrouted")
+    assert torch.equal(model.norm.weight, torch.ones(4))
 
 
 async def test_command_sink_gets_step_and_directory(published: tuple[FileStore, Any], tmp_path: Path) -> None:

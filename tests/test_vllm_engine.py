@@ -57,25 +57,25 @@ PROMPTS = [[1, *range(10, 40)], [1, *range(500, 520)], [1, 7, 7, 7, 900, 3]]
 LONG_PROMPT = [1, *range(100, 228)]  # prefix-cached before an update, asked again after it
 
 
-def save_tokenizer(out: Path) -> None:
+def save_tokenizer(out: Path, vocab_size: int = TINY_LLAMA["vocab_size"]) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY_LLAMA["vocab_size"])}, unk_token="t0"))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
     fast.save_pretrained(out)
 
 
-def train(root: Path) -> None:
+def train(root: Path, config: dict[str, Any] = TINY_LLAMA, steps: int = STEPS) -> None:
     """The launch checkpoint (save_pretrained), then checkpoint-<step>/ with every state_dict tensor per step."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     model.to(torch.bfloat16).save_pretrained(root / "launch")
-    save_tokenizer(root / "launch")
+    save_tokenizer(root / "launch", config["vocab_size"])
     model.float()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for step in range(1, STEPS + 1):
-        ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32))
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, config["vocab_size"], (2, 32))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()

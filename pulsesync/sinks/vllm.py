@@ -11,10 +11,15 @@ applied patches say which positions changed); any other (launch checkpoint, rest
 gets a full update. Then: pause generation (`POST /pause`), apply on every worker
 (`pulsesync_apply`, which validates before it changes anything), reset the prefix cache with
 running requests (its reply must say success), and resume, also after a failure.
+
+Under tensor parallelism each worker reports the region of each tensor it holds; a delta is cut
+into one file per worker (`WeightUpdate.for_rank`), so each receives about its share of the
+patch. A full update is one file for all: vLLM's loader shards whole checkpoint tensors itself.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -26,17 +31,18 @@ from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.http import EngineClient, paused, reply_field
 from pulsesync.sinks.vllm_worker import PulseSyncWorkerExtension
-from pulsesync.sinks.weight_update import build_update
+from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
 
 __all__ = ["PulseSyncWorkerExtension", "VLLMSink", "VLLMSinkConfig"]
 
 
 class SentUpdate(NamedTuple):
-    """An update file the sink wrote: its step, base digest (None: full) and tensor bytes."""
+    """What the last delivery sent: its step, base digest (None: full), tensor bytes, and each worker's reply."""
 
     step: int
     base: str | None
     nbytes: int
+    workers: list[dict[str, Any]]  # pulsesync_apply's results: received_bytes, kept_bytes, seconds, ...
 
 
 class VLLMSinkConfig(BaseModel):
@@ -57,6 +63,11 @@ class VLLMSinkConfig(BaseModel):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()  # the engine resolves paths from its own working directory
+
+
+def _save(update: WeightUpdate, path: Path) -> None:
+    tensors, meta = update.to_file()
+    save_file(tensors, str(path), metadata=meta)
 
 
 class VLLMSink(Sink):
@@ -93,8 +104,8 @@ class VLLMSink(Sink):
                 return
             if reply_field(await engine.get("/is_sleeping"), "is_sleeping", bool, f"vllm sink: {self.url}/is_sleeping"):
                 raise EngineError(f"vllm sink: {self.url} is sleeping; step {update.step} not delivered")
-            layout = (await self._rpc(engine, "pulsesync_layout"))[0]
-            aliases = reply_field(layout, "aliases", dict, f"vllm sink: pulsesync_layout on {self.url}")
+            layouts = await self._rpc(engine, "pulsesync_layout")
+            aliases = reply_field(layouts[0], "aliases", dict, f"vllm sink: pulsesync_layout on {self.url}")
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
                 raise EngineError(f"vllm sink: pulsesync_layout on {self.url} answered aliases {str(aliases)[:300]!r}")
             skip = self._aliases(update, aliases)
@@ -104,17 +115,22 @@ class VLLMSink(Sink):
             weights = build_update(
                 update.step, update.state, update.digest, base, update.changes if base else None, skip
             )
+            regions = [self._regions(layout, rank, update) for rank, layout in enumerate(layouts)]
+            cut = base is not None and any(regions)  # a full update is sharded by vLLM's loader on each worker
+            parts = [weights.for_rank(r, g) for r, g in enumerate(regions)] if cut else [weights]
             self.config.update_dir.mkdir(parents=True, exist_ok=True)
-            path = self.config.update_dir / f"update-{update.step:012d}.safetensors"
-            tensors, meta = weights.to_file()
-            replace_with(path, lambda p: save_file(tensors, str(p), metadata=meta))
-            self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes)
+            paths = [self.config.update_dir / f"update-{update.step:012d}.{i}.safetensors" for i in range(len(parts))]
+            for path, part in zip(paths, parts, strict=True):
+                replace_with(path, partial(_save, part))
             try:
                 async with paused(engine, f"/pause?mode={self.config.pause_mode}", "/resume"):
-                    await self._rpc(engine, "pulsesync_apply", str(path))
+                    arg: str | list[str] = str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
+                    replies = await self._rpc(engine, "pulsesync_apply", arg)
+                    self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes, replies)
                     await self._reset_prefix_cache(engine, update)
             finally:
-                path.unlink(missing_ok=True)  # the workers read it; it can be model-sized
+                for path in paths:
+                    path.unlink(missing_ok=True)  # the workers read them; they can be model-sized
 
     async def _reset_prefix_cache(self, engine: EngineClient, update: Update) -> None:
         reply = await engine.post("/reset_prefix_cache?reset_running_requests=true", {})
@@ -122,6 +138,29 @@ class VLLMSink(Sink):
             raise EngineError(
                 f"vllm sink: {self.url} holds step {update.step} but did not reset its prefix cache ({reply!r})"
             )
+
+    def _regions(self, layout: dict[str, Any], rank: int, update: Update) -> dict[str, Region]:
+        """The regions the worker of this rank (the replies come in rank order) holds, checked against the state."""
+        where = f"vllm sink: pulsesync_layout on {self.url}"
+        if layout.get("rank", rank) != rank:
+            raise EngineError(f"{where} answered rank {layout.get('rank')!r} in place {rank}")
+        out = {}
+        for name, spec in reply_field(layout, "regions", dict, where).items():
+            try:
+                shape, dim, start, size = spec
+                region = Region(tuple(int(n) for n in shape), int(dim), int(start), int(size))
+            except (TypeError, ValueError):
+                raise EngineError(f"{where} answered region {str(spec)[:200]!r} for {name!r}") from None
+            tensor = update.state.get(name)
+            if (
+                region.dim not in (0, 1)
+                or region.dim >= len(region.shape)
+                or not 0 <= region.start < region.start + region.size <= region.shape[region.dim]
+                or (tensor is not None and tuple(tensor.shape) != region.shape)
+            ):
+                raise EngineError(f"{where} answered region {spec!r} for {name!r}")
+            out[name] = region
+        return out
 
     def _aliases(self, update: Update, aliases: dict[str, str]) -> set[str]:
         """Names the engine ties to another: sent once, and only when the state agrees they are equal."""

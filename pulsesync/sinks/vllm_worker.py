@@ -6,14 +6,14 @@ through `POST /collective_rpc`. Each worker records the step and state digest it
 after an update applied completely and cleared (unknown) by any failure, so the sidecar sends a
 delta only to an engine that provably holds its base.
 
-Where a checkpoint tensor lives (`EngineLayout`): vLLM fuses q/k/v and gate/up into one
-parameter (`packed_modules_mapping`, row blocks of `output_sizes`), ties lm_head to the
-embeddings, and post-processes weights after loading (CPU oneDNN packing empties `layer.weight`;
-quantization; non-contiguous layouts). A module takes in-place writes only when its parameters
-are plain, contiguous, unsharded and unprocessed, and a full load through vLLM's loader left
-exactly the checkpoint's bits in them; every other module goes through vLLM's own
-`reload_weights` (which re-runs the post-load processing), whole modules at a time, from a host
-copy of its checkpoint tensors kept by the extension so that sparse updates stay sparse.
+Where each checkpoint tensor lives on this worker, and which part of it under tensor parallelism,
+is `vllm_layout`. A module takes in-place writes only when its parameters are plain, contiguous
+and unprocessed, and a full load through vLLM's loader left exactly the checkpoint's bits in
+them. Every other module (on CPU: every linear layer and the embedding, repacked for oneDNN)
+is rebuilt from this worker's copy of its part of the checkpoint tensors: the parameters are
+recreated in model format from vLLM's reload metadata, filled, and post-processed again, as
+vLLM's own layerwise reload does, so a sparse update stays sparse and each rank keeps only its share.
+Full updates go through vLLM's `reload_weights`, which shards whole checkpoint tensors itself.
 """
 
 from __future__ import annotations
@@ -22,119 +22,58 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 
 from pulsesync.digest import DEFAULT_ALGORITHM, DigestAlgorithm, state_digest
 from pulsesync.errors import EngineError
+from pulsesync.sinks.vllm_layout import EngineLayout, ModelParams, Slot, UnknownLayout, engine_layout, live_params
 from pulsesync.sinks.weight_update import WeightUpdate
 
 log = logging.getLogger("pulsesync.vllm_worker")
-_PLAIN_QUANT_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where one checkpoint tensor lives: rows [row_offset, row_offset + shape[0]) of a parameter."""
+class Rebuilder(Protocol):
+    """How an engine recreates a post-processed module from model-format tensors."""
 
-    module: str
-    param: str
-    row_offset: int
-    shape: tuple[int, ...]
-    fused: bool  # one of several checkpoint tensors packed into the parameter
+    def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's parameters as created, before post-load processing (maybe meta tensors)."""
+        ...
 
-
-@dataclass
-class EngineLayout:
-    """The checkpoint names a model holds, where, which of its modules take in-place writes, and its aliases."""
-
-    slots: dict[str, Slot]
-    aliases: dict[str, str]  # checkpoint name -> the name it is tied to
-    alias_modules: dict[str, str] = field(default_factory=dict)  # checkpoint name -> module of its alias
-    in_place: set[str] = field(default_factory=set)  # module names
-
-    def describe(self) -> dict[str, Any]:
-        """What the sidecar needs: names, aliases, how each module is written."""
-        return {
-            "names": sorted(self.slots),
-            "aliases": self.aliases,
-            "in_place": sorted(n for n, s in self.slots.items() if s.module in self.in_place),
-        }
+    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the module these model-format parameter values and redo its post-load processing."""
+        ...
 
 
-def _checkpoint_shape(module: torch.nn.Module, pname: str, param: torch.Tensor, rows: int | None) -> tuple[int, ...]:
-    """The checkpoint tensor's shape, also where the engine emptied or padded the parameter."""
-    in_size, out_size = getattr(module, "input_size", None), getattr(module, "output_size", None)
-    if isinstance(in_size, int) and isinstance(out_size, int):  # a linear layer (maybe packed away on CPU)
-        out = rows if rows is not None else out_size
-        return (out, in_size) if pname == "weight" else (out,)
-    vocab = getattr(module, "org_vocab_size", None)
-    if isinstance(vocab, int) and param.dim() == 2:  # vocab rows padded to a multiple of 64
-        return (vocab, param.shape[1])
-    return tuple(param.shape)
+class LiveRebuilder:
+    """For engines without vLLM's reload metadata: set the parameters, then run the module's processing."""
 
+    model_params: ModelParams = staticmethod(live_params)
 
-def _plain(module: torch.nn.Module, param: torch.Tensor) -> bool:
-    """Parameters the forward pass reads as they are: in-place writes reach the computation."""
-    quant = getattr(module, "quant_method", None)
-    return (
-        type(param.data) is torch.Tensor
-        and param.numel() > 0
-        and param.is_contiguous()
-        and getattr(module, "tp_size", 1) == 1
-        and not hasattr(module, "cpu_linear")  # CPU: computes from a packed copy
-        and (quant is None or type(quant).__name__ in _PLAIN_QUANT_METHODS)
-    )
-
-
-def engine_layout(model: torch.nn.Module) -> EngineLayout:
-    """Map checkpoint names to the model's parameters (fused blocks by row offsets), with aliases."""
-    mapping: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
-    slots: dict[str, Slot] = {}
-    aliases: dict[str, str] = {}
-    alias_modules: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    plain: dict[str, bool] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        prefix, _, local = mname.rpartition(".")
-        for pname, param in module.named_parameters(recurse=False):
-            full = f"{mname}.{pname}" if mname else pname
-            if id(param) in first_name:
-                aliases[full] = first_name[id(param)]
-                alias_modules[full] = mname
-                continue
-            first_name[id(param)] = full
-            plain[mname] = plain.get(mname, True) and _plain(module, param)
-            subs = mapping.get(local)
-            sizes = getattr(module, "output_sizes", None)
-            if subs and subs != [local] and isinstance(sizes, list) and len(sizes) == len(subs):
-                offset = 0
-                for sub, rows in zip(subs, sizes, strict=True):
-                    name = f"{prefix}.{sub}.{pname}" if prefix else f"{sub}.{pname}"
-                    slots[name] = Slot(mname, full, offset, _checkpoint_shape(module, pname, param, rows), True)
-                    offset += rows
+    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the module these model-format parameter values and redo its post-load processing."""
+        for pname, tensor in tensors.items():
+            param = getattr(module, pname)
+            if param.shape == tensor.shape:
+                param.data.copy_(tensor)
             else:
-                slots[full] = Slot(mname, full, 0, _checkpoint_shape(module, pname, param, None), False)
-    layout = EngineLayout(slots, aliases, alias_modules)
-    params = dict(model.named_parameters())
-    for slot in slots.values():
-        p = params[slot.param]
-        if (
-            p.dim() != len(slot.shape)
-            or tuple(p.shape[1:]) != slot.shape[1:]
-            or slot.row_offset + slot.shape[0] > p.shape[0]
-        ):
-            plain[slot.module] = False
-    layout.in_place = {m for m, ok in plain.items() if ok}
-    return layout
+                param.data = tensor.to(param.device, param.dtype)
+        _process(module)
+
+
+def _process(module: torch.nn.Module) -> None:
+    process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+    if callable(process):
+        process(module)
 
 
 def _view(params: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
-    return params[slot.param].data.narrow(0, slot.row_offset, slot.shape[0])
+    shape = slot.local_shape
+    return params[slot.param].data.narrow(0, slot.row_offset, shape[0]).view(shape)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -145,24 +84,32 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 class WeightApplier:
     """Applies update files to one worker's model and records the state it holds."""
 
-    def __init__(self, model: torch.nn.Module, reload: Any) -> None:
+    def __init__(self, model: torch.nn.Module, reload: Any, rebuilder: Rebuilder | None = None, rank: int = 0) -> None:
         self.model = model
         self.reload = reload  # reload_weights(weights_iterator=...): vLLM's loader and post-processing
-        self.layout = engine_layout(model)
-        self.shadow: dict[str, torch.Tensor] = {}  # checkpoint tensors of the modules written by reload
+        self.rebuilder: Rebuilder = rebuilder or LiveRebuilder()
+        self.rank = rank  # which rank's cut of a delta this worker takes
+        self.layout: EngineLayout = engine_layout(model, self.rebuilder.model_params)
+        self.shadow: dict[str, torch.Tensor] = {}  # this rank's part of the tensors of rebuilt modules
         self.held_step: int | None = None
         self.held_digest: str | None = None  # None: unknown (launch checkpoint, or after a failure)
 
     def held(self) -> dict[str, Any]:
-        """The step and state digest this worker holds (None when unknown)."""
-        return {"step": self.held_step, "digest": self.held_digest}
+        """The step and state digest this worker holds (None when unknown), and the bytes it keeps."""
+        kept = sum(t.nbytes for t in self.shadow.values())
+        return {"step": self.held_step, "digest": self.held_digest, "kept_bytes": kept}
 
     def validate(self, update: WeightUpdate, source: str) -> None:
         """Raise EngineError unless the update applies to what this worker holds; changes nothing."""
+        if self.layout.unknown:
+            module, why = next(iter(sorted(self.layout.unknown.items())))
+            raise EngineError(f"{source}: pulsesync cannot place the weights of module {module!r} ({why})")
         if update.base is not None and update.base != self.held_digest:
             raise EngineError(
                 f"{source}: applies to state {update.base}, the engine holds {self.held_digest or 'an unknown state'}"
             )
+        if update.rank is not None and update.rank != self.rank:
+            raise EngineError(f"{source}: was cut for rank {update.rank}, this worker is rank {self.rank}")
         slots, names = self.layout.slots, update.names
         for name in sorted(names):
             if name in self.layout.aliases:
@@ -174,12 +121,11 @@ class WeightApplier:
         if update.base is None and (missing := sorted(set(slots) - names)):
             raise EngineError(f"{source}: a full update lacks {missing[0]!r} ({len(missing)} tensors)")
         for name, t in update.whole.items():
-            if tuple(t.shape) != slots[name].shape or not t.is_floating_point():
-                raise EngineError(
-                    f"{source}: {name!r} is {t.dtype} {tuple(t.shape)}, the engine holds {slots[name].shape}"
-                )
+            shape = slots[name].shape if update.base is None else slots[name].local_shape
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise EngineError(f"{source}: {name!r} is {t.dtype} {tuple(t.shape)}, the engine holds {shape}")
         for name, (positions, values) in update.sparse.items():
-            numel = math.prod(slots[name].shape)
+            numel = math.prod(slots[name].local_shape)
             if not values.is_floating_point() or (
                 len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < numel
             ):
@@ -189,6 +135,9 @@ class WeightApplier:
 
     def apply(self, update: WeightUpdate, source: str) -> dict[str, Any]:
         """Validate, then apply; the held state is unknown from the first change until it completes."""
+        if update.base is not None and update.rank is None:  # an uncut delta: take this rank's part
+            regions = {n: s.region for n, s in self.layout.slots.items() if s.region is not None}
+            update = update.for_rank(self.rank, regions)
         self.validate(update, source)
         started = time.perf_counter()
         self.held_step = self.held_digest = None
@@ -196,9 +145,13 @@ class WeightApplier:
         slots = self.layout.slots
         with torch.no_grad():
             if update.base is None:  # everything through vLLM's loader, then learn which modules take writes
-                self.reload(weights_iterator=self._in_model_order(update.whole))
+                self.shadow = {}
+                with self._verifying_placement(update.whole) as misplaced:
+                    self.reload(weights_iterator=self._in_model_order(update.whole))
                 self._check_in_place(params, update.whole)
-                reloaded, written = len(update.whole), 0
+                if misplaced:
+                    self._refuse(misplaced, source)
+                written, rebuilt = 0, len(update.whole)
             else:
                 modules: set[str] = set()
                 written = 0
@@ -210,19 +163,72 @@ class WeightApplier:
                     else:
                         self._write(self.shadow.get(name), update, name)
                         modules.add(slot.module)
-                batch = {n: self.shadow[n] for n, s in slots.items() if s.module in modules}
-                if batch:
-                    self.reload(weights_iterator=self._in_model_order(batch))
-                reloaded = len(batch)
+                for module in sorted(modules):
+                    self.rebuilder.rebuild(self.model.get_submodule(module), self._model_format(module, self.shadow))
+                rebuilt = len(modules)
             self._reprocess_tied(update.names)
         self.held_step, self.held_digest = update.step, update.digest
         return {
             "step": update.step,
             "digest": update.digest,
             "written": written,
-            "reloaded": reloaded,
+            "reloaded": rebuilt,
+            "received_bytes": update.nbytes,
+            "kept_bytes": self.held()["kept_bytes"],
             "seconds": round(time.perf_counter() - started, 4),
         }
+
+    def _model_format(self, module: str, parts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The module's parameters in model format, assembled from this rank's parts (padding rows zero)."""
+        out = {}
+        for pname, (shape, dtype) in self.layout.params[module].items():
+            full = f"{module}.{pname}" if module else pname
+            out[pname] = torch.zeros(shape, dtype=dtype)
+            for name, slot in self.layout.slots.items():
+                if slot.param == full:
+                    out[pname].narrow(0, slot.row_offset, slot.local_shape[0]).copy_(parts[name])
+        return out
+
+    @contextmanager
+    def _verifying_placement(self, state: Mapping[str, torch.Tensor]) -> Iterator[set[str]]:
+        """During a full load, compare what vLLM's loader put in each rebuilt module with what a rebuild would.
+
+        Just before a module's post-load processing, its parameters hold exactly what the loader
+        placed there; a rebuild from this rank's parts must produce the same bits, or the layout's
+        rules are not the engine's and a later delta would be misplaced. Yields the modules that differ.
+        """
+        misplaced: set[str] = set()
+        rebuilt = {s.module for s in self.layout.slots.values() if s.module not in self.layout.in_place}
+        names = {id(self.model.get_submodule(m)): m for m in rebuilt}
+        patched = []
+        for module in rebuilt:
+            method = getattr(self.model.get_submodule(module), "quant_method", None)
+            if method is None or "process_weights_after_loading" in vars(method):
+                continue
+
+            def process(layer: torch.nn.Module, _original: Any = method.process_weights_after_loading) -> Any:
+                name = names.get(id(layer))
+                if name is not None:
+                    parts = {n: s.take(state[n]) for n, s in self.layout.slots.items() if s.module == name}
+                    expected = self._model_format(name, parts)
+                    if not all(_same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
+                        misplaced.add(name)
+                return _original(layer)
+
+            method.process_weights_after_loading = process
+            patched.append(method)
+        try:
+            yield misplaced
+        finally:
+            for method in patched:
+                del method.process_weights_after_loading
+
+    def _refuse(self, misplaced: set[str], source: str) -> None:
+        """Mark modules whose weights vLLM placed otherwise as unknown: deltas would be misplaced."""
+        for module in misplaced:
+            self.layout.unknown[module] = "vLLM's loader placed its weights otherwise than pulsesync's rules"
+        module = sorted(misplaced)[0]
+        raise EngineError(f"{source}: pulsesync cannot place the weights of module {module!r} (vLLM's loader differs)")
 
     def _reprocess_tied(self, changed: set[str]) -> None:
         """Redo the post-load processing of modules tied to a changed tensor.
@@ -232,10 +238,7 @@ class WeightApplier:
         """
         for alias, name in self.layout.aliases.items():
             if name in changed:
-                module = self.model.get_submodule(self.layout.alias_modules[alias])
-                process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
-                if callable(process):
-                    process(module)
+                _process(self.model.get_submodule(self.layout.alias_modules[alias]))
 
     def _write(self, target: torch.Tensor | None, update: WeightUpdate, name: str) -> None:
         if name in update.whole:
@@ -255,27 +258,69 @@ class WeightApplier:
         return [(n, tensors[n]) for n in sorted(tensors, key=order.__getitem__)]
 
     def _check_in_place(self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
-        """After a full load: in-place modules are those whose views hold exactly the loaded bits."""
+        """After a full load: in-place modules are those whose views hold exactly this rank's part of the bits."""
+        slots = self.layout.slots
         by_module: dict[str, list[str]] = defaultdict(list)
-        for name, slot in self.layout.slots.items():
+        for name, slot in slots.items():
             by_module[slot.module].append(name)
         for module, names in by_module.items():
             if module in self.layout.in_place and not all(
-                _same_bits(_view(params, self.layout.slots[n]), state[n].to(params[self.layout.slots[n].param].dtype))
+                _same_bits(_view(params, slots[n]), slots[n].take(state[n]).to(params[slots[n].param].dtype))
                 for n in names
             ):
-                log.warning("%s: vLLM changed its weights after loading; updating it through reload_weights", module)
+                log.warning("%s: vLLM changed its weights after loading; rebuilding it on updates", module)
                 self.layout.in_place.discard(module)
-        self.shadow = {n: state[n] for n, s in self.layout.slots.items() if s.module not in self.layout.in_place}
+        self.shadow = {n: s.take(state[n]) for n, s in slots.items() if s.module not in self.layout.in_place}
 
     def engine_state(self) -> dict[str, torch.Tensor]:
-        """What the engine holds, by checkpoint name: in-place views read back, the rest as last loaded."""
+        """What this worker holds, by checkpoint name (its parts under tensor parallelism), tied names included."""
         params = dict(self.model.named_parameters())
         state = {
             n: _view(params, s) if s.module in self.layout.in_place else self.shadow[n]
             for n, s in self.layout.slots.items()
         }
         return state | {alias: state[name] for alias, name in self.layout.aliases.items() if name in state}
+
+
+class VLLMRebuilder:
+    """Rebuilds a module as vLLM's layerwise reload does (vllm/model_executor/model_loader/reload, 0.32).
+
+    The parameters are recreated in model format from the metadata vLLM recorded at load time,
+    filled, post-processed (`process_weights_after_loading`), and copied back into the kernel
+    tensors the forward pass holds.
+    """
+
+    def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's parameters as created, before post-load processing (meta tensors with vLLM's attributes)."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        params, buffers = get_layerwise_info(module).restore_metadata
+        if buffers:
+            raise UnknownLayout(f"{name} has buffers that its post-load processing may derive")
+        live: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+        return live | dict(params)
+
+    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the module these model-format parameter values and redo its post-load processing."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _copy_and_restore_kernel_tensors,
+            get_layerwise_info,
+        )
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        info = get_layerwise_info(module)
+        info.kernel_tensors = get_layer_params_buffers(module)
+        info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+        restore_layer_on_meta(module, info)
+        materialize_layer(module, info)
+        if hasattr(module, "_already_called_process_weights_after_loading"):
+            delattr(module, "_already_called_process_weights_after_loading")
+        for pname, tensor in tensors.items():
+            getattr(module, pname).data.copy_(tensor)
+        _process(module)
+        _copy_and_restore_kernel_tensors(module, info)
+        info.reset()
 
 
 class PulseSyncWorkerExtension:
@@ -286,20 +331,24 @@ class PulseSyncWorkerExtension:
     def _pulsesync(self) -> WeightApplier:
         applier: WeightApplier | None = getattr(self, "_pulsesync_applier", None)
         if applier is None:
-            applier = WeightApplier(self.model_runner.get_model(), self.model_runner.reload_weights)
+            model, rank = self.model_runner.get_model(), int(getattr(self, "rank", 0))
+            applier = WeightApplier(model, self.model_runner.reload_weights, VLLMRebuilder(), rank)
             self._pulsesync_applier = applier
         return applier
 
     def pulsesync_layout(self) -> dict[str, Any]:
-        """Checkpoint names this worker holds, their aliases, and which are written in place."""
-        return self._pulsesync().layout.describe()
+        """Checkpoint names this worker holds, their aliases, which are written in place, its regions and rank."""
+        applier = self._pulsesync()
+        return applier.layout.describe() | {"rank": applier.rank}
 
     def pulsesync_held(self) -> dict[str, Any]:
         """The step and state digest this worker holds; None for both when unknown."""
         return self._pulsesync().held()
 
-    def pulsesync_apply(self, path: str) -> dict[str, Any]:
-        """Apply an update file written by the vllm sink; EngineError before any change if it does not fit."""
+    def pulsesync_apply(self, path: str | list[str]) -> dict[str, Any]:
+        """Apply an update file from the vllm sink (of a list, this rank's); EngineError before any change."""
+        if isinstance(path, list):
+            path = path[self._pulsesync().rank]
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)

