@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Sequence
 from html import escape
 
 from pulsesync.inspect_chain import ChainRow, RetiredRow
+from pulsesync.protocol.fleet import FleetStatus
 
 _WIDTH, _PLOT_TOP, _PLOT_HEIGHT, _LEFT = 1100, 30, 200, 70
 _STATUS_COLOUR = {True: "#2b8a3e", None: "#5c7cfa", False: "#c92a2a"}  # verified, unchecked, failed
@@ -125,11 +127,40 @@ table { border-collapse: collapse; margin-top: 16px; font-size: 13px; }
 th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: right; }
 th { background: #f8f9fa; position: sticky; top: 0; } td.l, th.l { text-align: left; }
 tr.anchor td { background: #f1f3f5; } tr.bad td { color: #c92a2a; } tr.retired td { color: #f08c00; }
+tr.gone td { color: #868e96; }
 """
 
 
-def render(rows: list[ChainRow], retired: list[RetiredRow], store_url: str, now: dt.datetime | None = None) -> str:
-    """One HTML page: summary, timeline, legend and a table of every step."""
+def _fleet_table(fleet: Sequence[FleetStatus], now: dt.datetime, ttl_seconds: float) -> str:
+    """Who serves which step, how far behind, and who went silent (advisory: each subscriber's own account)."""
+    if not fleet:
+        return '<p id="fleet">no subscriber status objects</p>'
+    rows = []
+    for f in fleet:
+        age = max(f.age(now).total_seconds(), 0.0)
+        gone = age > ttl_seconds
+        rows.append(
+            f'<tr class="{"gone" if gone else ""}"><td class="l">{escape(f.subscriber)}</td>'
+            f"<td>{'-' if f.step is None else f.step}</td><td>{'-' if f.lag is None else f.lag}</td>"
+            f'<td class="l">{escape(f.path or "-")}</td><td>{age:.0f} s</td>'
+            f'<td class="l">{"gone" if gone else "live"}</td></tr>'
+        )
+    return (
+        '<table id="fleet"><thead><tr><th class="l">subscriber</th><th>step</th><th>lag</th>'
+        '<th class="l">last path</th><th>status age</th><th class="l">state</th></tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
+def render(
+    rows: list[ChainRow],
+    retired: list[RetiredRow],
+    store_url: str,
+    now: dt.datetime | None = None,
+    fleet: Sequence[FleetStatus] = (),
+    fleet_ttl: float = 600.0,
+) -> str:
+    """One HTML page: summary, timeline, legend, the fleet, and a table of every step."""
     now = now or dt.datetime.now(dt.timezone.utc)
     patches = [r for r in rows if r.kind == "patch"]
     anchors = [r for r in rows if r.kind == "anchor"]
@@ -193,6 +224,8 @@ def render(rows: list[ChainRow], retired: list[RetiredRow], store_url: str, now:
 </div>
 {_svg(rows, retired, reach)}
 <h2>Chains a subscriber can take</h2><ul id="chains">{chain_lines or "<li>none: no anchor</li>"}</ul>
+<h2>Fleet (each subscriber's own status object; gone: silent for {fleet_ttl:.0f} s)</h2>
+{_fleet_table(fleet, now, fleet_ttl)}
 <table id="steps"><thead><tr><th>step</th><th class="l">kind</th><th>base</th><th>chain</th><th>wire bytes</th>
 <th>changed</th><th>density</th><th>ratio</th><th class="l">signer</th><th class="l">status</th></tr></thead>
 <tbody>

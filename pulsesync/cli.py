@@ -196,10 +196,19 @@ def _cmd_retain(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import asyncio
+    import datetime as dt
     import json
 
-    from pulsesync.inspect_chain import chain_rows, format_table, retired_rows, rows_as_json
+    from pulsesync.inspect_chain import (
+        chain_rows,
+        fleet_as_json,
+        format_fleet,
+        format_table,
+        retired_rows,
+        rows_as_json,
+    )
     from pulsesync.protocol import signing
+    from pulsesync.protocol.fleet import read_fleet
     from pulsesync.store import open_store
 
     config = _subscriber_config(args)
@@ -209,14 +218,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         async with open_store(config.store) as store:
             rows = await chain_rows(store, trusted)
             retired = await retired_rows(store, trusted) if args.html else []
+            fleet = await read_fleet(store)
             url = store.url
+        now, ttl = dt.datetime.now(dt.timezone.utc), args.fleet_ttl
         if args.html:
             from pulsesync.chain_report import render
 
-            args.html.write_text(render(rows, retired, url), encoding="utf-8")
-            print(f"wrote {args.html} ({len(rows)} steps, {len(retired)} removed by retention)")
+            args.html.write_text(render(rows, retired, url, fleet=fleet, fleet_ttl=ttl), encoding="utf-8")
+            print(
+                f"wrote {args.html} ({len(rows)} steps, {len(retired)} removed by retention, {len(fleet)} subscribers)"
+            )
             return
-        print(json.dumps(rows_as_json(rows)) if args.json else format_table(rows))
+        if args.json:
+            print(json.dumps({"steps": rows_as_json(rows), "fleet": fleet_as_json(fleet, now, ttl)}))
+        else:
+            print(format_table(rows) + "\n" + format_fleet(fleet, now, ttl))
 
     asyncio.run(run())
     return 0
@@ -365,7 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser(
         "inspect", parents=[common, trusted_flag], help="show the chain in a store (verified with --trusted-key)"
     )
-    inspect.add_argument("--json", action="store_true", help="one JSON array instead of the table")
+    inspect.add_argument(
+        "--json", action="store_true", help='one JSON object instead of the tables: {"steps": [...], "fleet": [...]}'
+    )
+    inspect.add_argument(
+        "--fleet-ttl",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a subscriber whose status is older than this is shown as gone (default 600)",
+    )
     inspect.add_argument(
         "--html", type=Path, metavar="FILE", help="write a self-contained HTML report (timeline, chains, table)"
     )

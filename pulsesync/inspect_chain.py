@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulsesync.errors import PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.fleet import FleetStatus
 from pulsesync.protocol.manifest import (
     AnchorManifest,
     PatchManifest,
@@ -171,3 +172,21 @@ def format_table(rows: list[ChainRow]) -> str:
 def rows_as_json(rows: list[ChainRow]) -> list[dict[str, object]]:
     """Rows as plain dicts."""
     return [asdict(r) for r in rows]
+
+
+def format_fleet(fleet: list[FleetStatus], now: dt.datetime, ttl_seconds: float) -> str:
+    """The fleet as a table: what each subscriber serves, how far it lags, and whether it is gone (silent past ttl)."""
+    if not fleet:
+        return "fleet: no subscriber status objects"
+    lines = [f"fleet: {len(fleet)} subscribers", f"{'subscriber':<40} {'step':>8} {'lag':>5} {'path':<10} {'seen':>7}"]
+    for f in fleet:
+        age = f.age(now).total_seconds()
+        state = "gone" if age > ttl_seconds else "live"
+        step, lag = "-" if f.step is None else str(f.step), "-" if f.lag is None else str(f.lag)
+        lines.append(f"{f.subscriber:<40} {step:>8} {lag:>5} {f.path or '-':<10} {_age(max(age, 0)):>7}  {state}")
+    return "\n".join(lines)
+
+
+def fleet_as_json(fleet: list[FleetStatus], now: dt.datetime, ttl_seconds: float) -> list[dict[str, object]]:
+    """Fleet entries as plain dicts, with `gone` (silent past ttl)."""
+    return [f.model_dump(mode="json") | {"gone": f.age(now).total_seconds() > ttl_seconds} for f in fleet]

@@ -78,7 +78,8 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
         shards = names - anchor_files
         assert anchor_files <= names and len(shards) >= 2 and all(n.startswith("model-0000") for n in shards)
     ready = [layout.ready_key(s, k) for s, kinds in (await ready_kinds(store)).items() for k in kinds]
-    assert sorted(keys) == sorted([*patches, *anchors, *ready])
+    assert sorted(keys) == sorted([*patches, *anchors, *ready, layout.POINTER_KEY])
+    assert await store.get(layout.POINTER_KEY) == layout.pointer_body(29, "patch")  # the newest marker
 
     anchors_so_far = [0]
     for step in range(30):
@@ -186,6 +187,8 @@ async def test_a_second_publisher_on_the_prefix_gets_conflict_and_overwrites_not
     with pytest.raises(ConflictError):
         await second.publish(5, states[5])  # stopped for good
     after = {info.key: await store.get(info.key) async for info in store.list()}
+    assert after.pop(layout.POINTER_KEY) == layout.pointer_body(4, "patch")  # the first publisher's step 4
+    before.pop(layout.POINTER_KEY)
     assert {k: v for k, v in after.items() if k in before} == before
     assert not [
         k for k in after if k not in before and not k.startswith(("patches/000000000004/", "ready/000000000004"))

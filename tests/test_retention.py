@@ -9,6 +9,7 @@ rebuilds every ready step left from the store. Anchor failures are injected with
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import tempfile
 import time
@@ -20,9 +21,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from pulsesync.cli import main
 from pulsesync.errors import StoreError
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.fleet import FleetStatus
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
@@ -192,8 +195,6 @@ async def test_subscriber_converges_while_retention_deletes_under_it(moto_endpoi
 def test_retain_inspect_and_verify_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cryptography.hazmat.primitives import serialization
 
-    from pulsesync.cli import main
-
     async def publish_chain() -> None:
         pub = AsyncPublisher(config(anchor_interval=4), store=FileStore(tmp_path / "store"), signing_key=KEY)
         await pub.start()
@@ -208,10 +209,11 @@ def test_retain_inspect_and_verify_commands(tmp_path: Path, capsys: pytest.Captu
     url = (tmp_path / "store").as_uri()
     assert main(["inspect", "--store", url, "--trusted-key", str(pub_file)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:4] == ["step", "kind", "from", "chain"] and len(table) == 1 + 12 + 1
-    assert table[-1].startswith("9 patches") and all(" ok " in line for line in table[1:-1])
+    assert table[0].split()[:4] == ["step", "kind", "from", "chain"] and len(table) == 1 + 12 + 1 + 1
+    assert table[-2].startswith("9 patches") and all(" ok " in line for line in table[1:-2])
+    assert table[-1] == "fleet: no subscriber status objects"
     assert main(["inspect", "--store", url, "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["steps"]
     assert [(r["step"], r["kind"], r["chains_from"]) for r in rows if r["step"] in (6, 8)] == [
         (6, "patch", 4),
         (8, "anchor", None),
@@ -270,3 +272,49 @@ def test_a_tombstone_body_parses_or_raises_value_error(body: bytes) -> None:
     except ValueError:
         return
     assert isinstance(marker, bytes) and removed_at.tzinfo is not None
+
+
+async def test_retention_keeps_what_a_lagging_subscriber_needs_and_inspect_shows_the_fleet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = FileStore(tmp_path / "store")
+    pub = AsyncPublisher(config(anchor_interval=10), store=store, signing_key=KEY)
+    await pub.start()
+    await publish(pub, list(range(26)))
+    await pub.close()
+    sub = Subscriber(
+        SubscriberConfig(step=12, subscriber_id="lagging", poll_seconds=0.05), store=store, trusted=TRUSTED
+    )
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(sub.run(stop))
+    status_key = "fleet/lagging.json"
+    while not await store.exists(status_key):
+        await asyncio.sleep(0.02)
+    stop.set()
+    await daemon
+    now = dt.datetime.now(dt.timezone.utc)
+    old = FleetStatus(subscriber="gone", step=3, updated_at=now - dt.timedelta(days=1))
+    await store.put(old.key, old.to_bytes())  # seen a day ago: no longer kept for
+    await store.put("fleet/junk.json", b"{not json")
+    await store.put("fleet/misplaced.json", FleetStatus(subscriber="other", step=1, updated_at=now).to_bytes())
+    await store.put("fleet/big.json", b" " * 5000)
+
+    assert await asyncio.to_thread(main, ["inspect", "--store", tmp_path.joinpath("store").as_uri(), "--json"]) == 0
+    fleet = {f["subscriber"]: f for f in json.loads(capsys.readouterr().out)["fleet"]}
+    assert set(fleet) == {"lagging", "gone"}  # junk, misplaced and oversized objects are skipped
+    assert (fleet["lagging"]["step"], fleet["lagging"]["lag"], fleet["lagging"]["gone"]) == (12, 13, False)
+    assert fleet["gone"]["gone"] is True
+    html = tmp_path / "chain.html"
+    assert await asyncio.to_thread(main, ["inspect", "--store", store.root.as_uri(), "--html", str(html)]) == 0
+    page = html.read_text()
+    assert '<table id="fleet">' in page and ">lagging</td><td>12</td><td>13</td>" in page
+
+    policy = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0)
+    plan = await RetentionWorker(store, policy, TRUSTED).run_once(dry_run=True)
+    assert plan.lines()[0] == "keep 13 patches after step 12 for subscriber lagging (fleet status)"
+    assert all(layout.ready_key(s, "patch") not in plan.lines() for s in range(13, 26))
+    capped = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0, fleet_max_lag=12)
+    assert (await RetentionWorker(store, capped, TRUSTED).plan()).for_fleet == []  # too far behind: slow path
+    await RetentionWorker(store, policy, TRUSTED).run_once()
+    assert (await sub.sync(25)).path == "chain"  # it catches up from the patches kept for it
+    assert_states_equal(sub.state or {}, trainer_states(STATES)[25])

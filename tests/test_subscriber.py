@@ -28,6 +28,7 @@ from pulsesync.errors import (
     PulseSyncError,
     ReplayError,
     SignatureError,
+    StoreError,
     UnknownKeyError,
 )
 from pulsesync.protocol import layout
@@ -319,3 +320,77 @@ async def test_daemon_serves_metrics_and_healthz(
     finally:
         stop.set()
         await daemon
+
+
+async def test_an_idle_daemon_polls_the_pointer_not_the_listing_and_a_bad_pointer_changes_nothing_served(
+    moto_endpoint: str, key: Ed25519PrivateKey
+) -> None:
+    store = S3Store(BUCKET, f"pointer-{uuid.uuid4().hex[:8]}", endpoint_url=moto_endpoint)
+    pointer_fails = False
+
+    def hook(op: str, target: str) -> None:  # a publisher that dies between its marker and its pointer
+        if pointer_fails and target == layout.POINTER_KEY:
+            raise StoreError("put pointer: connection reset")
+
+    writing = RecordingStore(store, hook)
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=writing, signing_key=key)
+    await pub.start()
+    await publish(pub, range(2))
+    assert await store.get(layout.POINTER_KEY) == layout.ready_key(1, "patch").encode()
+    counted = RecordingStore(store)
+    sub = subscriber(counted, key, poll_seconds=0.05, list_every_seconds=3600)
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(sub.run(stop))
+
+    async def polls(n: int) -> None:  # wait for n more pointer reads
+        target = counted.calls["GET"] + n
+        while counted.calls["GET"] < target:
+            assert not daemon.done(), daemon.exception()
+            await asyncio.sleep(0.01)
+
+    async def serves(step: int) -> None:
+        deadline = time.monotonic() + 30
+        while sub.step != step:
+            assert time.monotonic() < deadline, sub.status
+            await asyncio.sleep(0.02)
+        assert_serving(sub, step)
+
+    try:
+        await serves(1)
+        await polls(2)
+        counted.calls.clear()
+        await polls(20)  # idle: one conditional GET per poll, answered 304 (one may be in flight); nothing else
+        assert set(counted.calls) == {"GET", "NOT_MODIFIED"}
+        assert counted.calls["GET"] - counted.calls["NOT_MODIFIED"] <= 1
+
+        await publish(pub, range(2, 3))  # a new step: the pointer changed, so one LIST finds it
+        await serves(2)
+        for forged in (layout.pointer_body(999, "patch"), b"\xff junk", layout.pointer_body(0, "anchor")):
+            counted.calls.clear()
+            await store.put(layout.POINTER_KEY, forged)
+            await polls(3)
+            assert counted.calls["LIST"] >= 1  # a pointer that changed means a LIST, never a step
+            assert_serving(sub, 2)
+
+        pointer_fails = True
+        await publish(pub, range(3, 4))  # committed; the pointer still names what it named: 304s
+        counted.calls.clear()
+        await polls(10)
+        assert counted.calls["LIST"] == 0
+        assert_serving(sub, 2)
+        assert sub.poll is not None
+        sub.poll.list_every_seconds = 0.2  # the LIST that a frozen pointer cannot prevent
+        await serves(3)
+
+        await store.delete_many([layout.POINTER_KEY])  # no pointer: a LIST every poll, as without one
+        assert counted.calls["NOT_MODIFIED"] >= 10
+        counted.calls.clear()
+        sub.poll.list_every_seconds = 3600
+        await polls(5)
+        assert counted.calls["LIST"] >= 3
+        assert_serving(sub, 3)
+    finally:
+        stop.set()
+        await daemon
+        await pub.close()
+        await store.close()

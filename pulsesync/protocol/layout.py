@@ -5,6 +5,8 @@
 {prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
 {prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
 {prefix}/retention/{step:012d}.{kind}.json  a marker retention removed: its payload, due for deletion
+{prefix}/pointer                        the newest marker's key, rewritten after each commit: a hint
+                                        that lets subscribers poll with a conditional GET, not a LIST
 
 Payload names inside a step's folder carry the writing publisher's run id, so two publishers (or a
 crashed attempt and its restart) never write the same payload key: nothing is ever overwritten,
@@ -90,6 +92,23 @@ def parse_ready_key(key: str, folder: str = READY_PREFIX) -> ReadyEntry | None:
     if match is None:
         return None
     return ReadyEntry(int(match.group(1)), match.group(2))  # type: ignore[arg-type]
+
+
+POINTER_KEY = "pointer"
+MAX_POINTER_BYTES = 256  # a marker key is 30 bytes; anything larger is not a pointer
+
+
+def pointer_body(step: int, kind: Kind) -> bytes:
+    """What the pointer holds after a commit: the key of the marker just written."""
+    return ready_key(step, kind).encode()
+
+
+def parse_pointer(data: bytes) -> ReadyEntry | None:
+    """The marker a pointer names, or None for anything else (it is untrusted and only a hint)."""
+    try:
+        return parse_ready_key(data.decode("ascii"))
+    except UnicodeDecodeError:
+        return None
 
 
 def step_of_payload(key: str) -> int | None:

@@ -1,16 +1,19 @@
 """Manifest construction and commit: the one place the publisher builds manifests and writes ready markers.
 
 A step is committed when its signed manifest is written as the ready marker with put-if-absent,
-after every payload object it names is uploaded; a marker is never overwritten.
+after every payload object it names is uploaded; a marker is never overwritten. Then the pointer
+(`layout.POINTER_KEY`) is rewritten to name it: a hint for polling subscribers, best effort.
 """
 
 from __future__ import annotations
+
+import logging
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.codec import CodecParams
 from pulsesync.digest import StateDigest
-from pulsesync.errors import ConflictError
+from pulsesync.errors import ConflictError, StoreError
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import (
     AnchorFormat,
@@ -23,6 +26,8 @@ from pulsesync.protocol.manifest import (
 )
 from pulsesync.store import Store
 from pulsesync.verified import VerifiedState
+
+log = logging.getLogger("pulsesync.publisher")
 
 
 def patch_manifest(
@@ -82,3 +87,13 @@ async def write_ready_marker(store: Store, manifest: PatchManifest | AnchorManif
             f"step {manifest.step}: {store.url}{marker} already exists: another publisher writes to this "
             "prefix, or step numbers were reused; nothing was overwritten"
         ) from None
+    try:  # the step is committed; a stale pointer only delays subscribers until their next LIST
+        await store.put(layout.POINTER_KEY, layout.pointer_body(manifest.step, manifest.kind))
+    except StoreError as e:
+        log.warning(
+            "step %d committed, but the pointer %s%s was not updated: %s",
+            manifest.step,
+            store.url,
+            layout.POINTER_KEY,
+            e,
+        )

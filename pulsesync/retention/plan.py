@@ -3,7 +3,9 @@
 Kept: the newest `keep_patches` patches and `keep_anchors` anchors, the newest ready step, and for
 every kept patch each patch and the anchor on its chain (walking base_step links back to the first
 step that has an anchor, which may be the patch's own step), so every kept ready step still
-reconstructs from the store.
+reconstructs from the store. The fleet's status objects are a hint on top: a subscriber seen
+within `fleet_ttl_seconds` that lags at most `fleet_max_lag` steps keeps the patches after the
+step it serves, so it catches up by the chain path instead of downloading an anchor.
 
 Deleting is two-phase. A removed ready marker first becomes a tombstone (`retention/...json`,
 listing its payload objects and when it was removed); the payload goes `grace_seconds` later, so
@@ -21,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pulsesync.protocol import layout
+from pulsesync.protocol.fleet import FleetStatus
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import ObjectInfo
 
@@ -93,6 +96,7 @@ class StoreListing:
     tombstones: Sequence[Tombstone]
     payloads: Sequence[ObjectInfo]  # every object under patches/ and anchors/
     now: dt.datetime
+    fleet: Sequence[FleetStatus] = ()  # subscribers' own, unsigned accounts: a hint
 
 
 @dataclass
@@ -100,6 +104,7 @@ class Plan:
     """What one retention run does, in order: unmark, then purge tombstones that are due, then orphans."""
 
     keep: list[Entry]
+    for_fleet: list[tuple[str, int, int]] = field(default_factory=list)  # (subscriber, its step, patches kept after)
     unmark: list[Published] = field(default_factory=list)
     purge: list[Tombstone] = field(default_factory=list)
     orphans: list[ObjectInfo] = field(default_factory=list)
@@ -117,7 +122,10 @@ class Plan:
 
     def lines(self) -> list[str]:
         """The exact plan, one action per line (what --dry-run prints)."""
-        out = [f"remove ready marker {layout.ready_key(p.step, p.kind)}" for p in self.unmark]
+        out = [
+            f"keep {n} patches after step {step} for subscriber {who} (fleet status)" for who, step, n in self.for_fleet
+        ]
+        out += [f"remove ready marker {layout.ready_key(p.step, p.kind)}" for p in self.unmark]
         for t in self.purge:
             out += [f"delete {key} ({size} bytes)" for key, size in t.objects]
             out.append(f"delete {t.key}")
@@ -132,8 +140,28 @@ class Plan:
         )
 
 
-def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) -> set[Entry]:
-    """The ready markers the policy keeps; every kept step reconstructs from the kept set alone."""
+def catching_up(
+    published: Mapping[Entry, Published], fleet: Sequence[FleetStatus], policy: RetentionPolicy, now: dt.datetime
+) -> list[tuple[str, int, int]]:
+    """(subscriber, step, patches after it) for each recently seen subscriber behind by at most fleet_max_lag."""
+    if not published or policy.fleet_ttl_seconds == 0:
+        return []
+    newest = max(s for s, _ in published)
+    patches = sorted(s for s, k in published if k == "patch")
+    out = []
+    for f in fleet:
+        if f.step is None or f.age(now).total_seconds() > policy.fleet_ttl_seconds:
+            continue
+        if 0 < newest - f.step <= policy.fleet_max_lag:
+            out.append((f.subscriber, f.step, sum(1 for s in patches if s > f.step)))
+    return out
+
+
+def kept_entries(
+    published: Mapping[Entry, Published], policy: RetentionPolicy, catch_up_from: Sequence[int] = ()
+) -> set[Entry]:
+    """The ready markers the policy keeps (and the patches after each step in `catch_up_from`); every kept step
+    reconstructs from the kept set alone."""
     if not published:
         return set()
     keep: set[Entry] = set()
@@ -159,13 +187,18 @@ def kept_entries(published: Mapping[Entry, Published], policy: RetentionPolicy) 
         keep.add((newest, "anchor"))
     if (newest, "patch") in published:
         keep_patch_chain(newest)
+    if catch_up_from:
+        for step in patches:
+            if step > min(catch_up_from):
+                keep_patch_chain(step)
     return keep
 
 
 def plan(listing: StoreListing, policy: RetentionPolicy) -> Plan:
     """The deletion plan for a store listing under a policy."""
-    keep = kept_entries(listing.published, policy)
-    result = Plan(sorted(keep))
+    for_fleet = catching_up(listing.published, listing.fleet, policy, listing.now)
+    keep = kept_entries(listing.published, policy, [step for _, step, _ in for_fleet])
+    result = Plan(sorted(keep), for_fleet)
     result.unmark = [p for e, p in sorted(listing.published.items()) if e not in keep]
     grace = dt.timedelta(seconds=policy.grace_seconds)
     # A tombstone whose marker is still ready (a crash between the two writes, or a copy) waits.

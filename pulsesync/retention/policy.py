@@ -24,6 +24,15 @@ class RetentionPolicy(BaseModel):
         description="payloads are deleted this long after their ready marker; longer than the slowest reader's "
         "download, and unreferenced payloads must be this old (a publish may still be uploading them)",
     )
+    fleet_ttl_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="also keep the patches a subscriber needs to catch up when its fleet status is this recent "
+        "(0: ignore the fleet)",
+    )
+    fleet_max_lag: int = Field(
+        500, ge=0, description="...but only for a subscriber at most this many steps behind (it takes the slow path)"
+    )
     interval_seconds: float = Field(3600.0, gt=0, description="time between runs of the retention daemon")
     dry_run: bool = Field(False, description="print the plan, delete nothing")
 

@@ -24,6 +24,7 @@ from pulsesync import metrics
 from pulsesync.errors import ConfigError, IntegrityError, NotFoundError, PulseSyncError, StoreError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.fleet import read_fleet
 from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, PatchManifest, parse_manifest, verify_manifest
 from pulsesync.retention.plan import Entry, Plan, Published, StoreListing, Tombstone, plan
 from pulsesync.retention.policy import RetentionPolicy
@@ -97,8 +98,9 @@ class RetentionWorker:
                     payloads.append(ObjectInfo(check_key(info.key), info.size, info.etag, info.last_modified))
                 except StoreError as e:
                     self._skip(info.key, str(e))
+        fleet = await read_fleet(self.store) if self.policy.fleet_ttl_seconds else []
         now = dt.datetime.now(dt.timezone.utc)
-        return StoreListing(dict(self._manifests), list(tombstones.values()), payloads, now)
+        return StoreListing(dict(self._manifests), list(tombstones.values()), payloads, now, fleet)
 
     async def _marker(self, published: Published) -> bytes | None:
         """The signed marker retention verified for an entry, read again for its tombstone; None if gone or changed."""

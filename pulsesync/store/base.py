@@ -93,6 +93,17 @@ class Store(ABC):
     def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
         """Every object whose key starts with prefix, in lexicographic key order, after start_after."""
 
+    async def get_if_changed(self, key: str, etag: str | None, max_size: int) -> tuple[bytes, str | None] | None:
+        """The object and its etag, or None while its etag is still `etag`; NotFoundError if absent.
+
+        Bounded as get(key, max_size). Backends with a conditional GET (S3's If-None-Match: one
+        request, 304 and no body while unchanged) override this HEAD-then-GET.
+        """
+        info = await self.head(key)
+        if etag is not None and info.etag == etag:
+            return None
+        return await self.get(key, max_size), info.etag
+
     async def exists(self, key: str) -> bool:
         """Whether an object exists."""
         try:

@@ -117,6 +117,12 @@ class S3Store(Store):
     # --- reads ---------------------------------------------------------------------------------
     async def _read_chunks(self, s3: Any, key: str, max_size: int | None = None, **kwargs: Any) -> list[bytes]:
         """The body as the chunks it arrived in (no joining copy), length-checked; stops past max_size."""
+        return (await self._get_object(s3, key, max_size, **kwargs))[0]
+
+    async def _get_object(
+        self, s3: Any, key: str, max_size: int | None = None, **kwargs: Any
+    ) -> tuple[list[bytes], dict[str, Any]]:
+        """GetObject: the body's chunks (length-checked, stopped past max_size) and the response's fields."""
         resp = await s3.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
         chunks, received = [], 0
         async with resp["Body"] as body:
@@ -127,7 +133,7 @@ class S3Store(Store):
                     raise oversized(f"get s3://{self.bucket}/{self._key(key)}", max_size)
         if received != resp["ContentLength"]:
             raise TruncatedBodyError(f"got {received} of {resp['ContentLength']} bytes")
-        return chunks
+        return chunks, resp
 
     async def _read(self, s3: Any, key: str, max_size: int | None = None, **kwargs: Any) -> bytes:
         return b"".join(await self._read_chunks(s3, key, max_size, **kwargs))
@@ -146,6 +152,25 @@ class S3Store(Store):
                 raise
 
         return await self._call("get", key, bounded)
+
+    async def get_if_changed(self, key: str, etag: str | None, max_size: int) -> tuple[bytes, str | None] | None:
+        """One conditional GET (If-None-Match): None on 304, else the object (bounded) and its ETag."""
+
+        async def once(s3: Any) -> tuple[bytes, str | None] | None:
+            condition = {"IfNoneMatch": etag} if etag else {}
+            try:
+                chunks, resp = await self._get_object(s3, key, max_size, Range=f"bytes=0-{max_size}", **condition)
+            except botocore.exceptions.ClientError as e:
+                code = e.response.get("Error", {}).get("Code")
+                if code in ("304", "NotModified"):
+                    return None
+                if code == "InvalidRange":  # 416: the object is empty
+                    info = await self.head(key)
+                    return (b"", info.etag) if info.etag != etag else None
+                raise
+            return b"".join(chunks), resp.get("ETag")
+
+        return await self._call("get", key, once)
 
     async def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes:
         """Bytes [start, end), clamped to the object's size; with etag, only from that version."""

@@ -86,6 +86,19 @@ class StoreConformance:
         assert await store.get("k") == b"two!"
         assert (await store.head("k")).size == 4
 
+    async def test_conditional_get_answers_only_when_the_object_changed(self, store: Store) -> None:
+        with pytest.raises(NotFoundError):
+            await store.get_if_changed("pointer", None, 64)
+        await store.put("pointer", b"one")
+        got = await store.get_if_changed("pointer", None, 64)
+        assert got is not None and got[0] == b"one" and got[1]
+        assert await store.get_if_changed("pointer", got[1], 64) is None
+        await store.put("pointer", b"two!")
+        again = await store.get_if_changed("pointer", got[1], 64)
+        assert again is not None and again[0] == b"two!" and again[1] != got[1]
+        with pytest.raises(IntegrityError):
+            await store.get_if_changed("pointer", None, 3)
+
     async def test_missing_keys(self, store: Store) -> None:
         for call in (store.get("nope"), store.get_range("nope", 0, 5), store.head("nope")):
             with pytest.raises(NotFoundError, match="nope"):

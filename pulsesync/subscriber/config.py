@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 
 from pulsesync.config import Config
+from pulsesync.protocol.fleet import SUBSCRIBER_ID
 from pulsesync.sinks import SinkConfig
 
 
@@ -24,7 +25,24 @@ class SubscriberConfig(Config):
     )
     out_dir: Path | None = Field(None, description="shorthand for a `directory` sink writing here")
     step: int | None = Field(None, ge=0, description="sync to this step instead of the newest")
-    poll_seconds: float = Field(2.0, gt=0, description="how often the daemon lists new ready markers")
+    poll_seconds: float = Field(2.0, gt=0, description="how often the daemon polls for new ready markers")
+    poll_pointer: bool = Field(
+        True,
+        description="poll the publisher's pointer object with a conditional GET and list ready markers only when it "
+        "changed (a 304 costs a GET, 12.5x less than a LIST on S3 and R2); false: list every poll",
+    )
+    list_every_seconds: float = Field(
+        60.0, gt=0, description="with poll_pointer, list at least this often anyway (a pointer that stopped changing)"
+    )
+    fleet_status: bool = Field(
+        True, description="the daemon writes fleet/{subscriber_id}.json: what it serves, for inspect and retention"
+    )
+    subscriber_id: str | None = Field(
+        None,
+        pattern=SUBSCRIBER_ID,
+        description="this subscriber's name in the fleet; default: the host name and a hash of cache_dir (or the pid)",
+    )
+    fleet_status_seconds: float = Field(60.0, gt=0, description="rewrite the fleet status at least this often")
     retry_initial_seconds: float = Field(1.0, gt=0, description="first wait after a failed sync; doubles each time")
     retry_max_seconds: float = Field(60.0, gt=0, description="longest wait between failed syncs")
     unhealthy_after: int = Field(5, ge=1, description="consecutive failed syncs before /healthz reports unhealthy")

@@ -59,6 +59,8 @@ from pulsesync.protocol.manifest import PatchManifest, verify_manifest
 from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
 from pulsesync.subscriber.config import SubscriberConfig
+from pulsesync.subscriber.fleet import FleetReporter, default_subscriber_id
+from pulsesync.subscriber.poll import PointerPoll
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -145,6 +147,9 @@ class Subscriber:
         self.config = config
         self.store = store or open_store(config.store)
         self.chain = ChainClient(self.store, trusted, threads=config.codec.threads, stream_id=config.stream_id)
+        self.poll = PointerPoll(self.store, config.list_every_seconds) if config.poll_pointer else None
+        fleet_id = config.subscriber_id or default_subscriber_id(config.cache_dir)
+        self.fleet = FleetReporter(self.store, fleet_id, config.fleet_status_seconds) if config.fleet_status else None
         sink_configs = list(config.sinks)
         if config.out_dir is not None:
             sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))
@@ -638,6 +643,12 @@ class Subscriber:
             scrubbing = asyncio.create_task(self._scrub_periodically(stop), name="pulsesync-scrub")
         try:
             while not stop.is_set():
+                if self.poll is not None and self.state is not None and not await self.poll.worth_listing():
+                    if self.fleet is not None:
+                        await self.fleet.report(self, None)
+                    with contextlib.suppress(asyncio.TimeoutError):  # the pointer did not change: nothing new
+                        await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
+                    continue
                 result = None
                 async for attempt in self._retrying(None, stop):  # until a sync succeeds or stop is set
                     with attempt:
@@ -645,6 +656,10 @@ class Subscriber:
                             result = await self.sync()
                 if result is None:
                     break
+                if self.poll is not None:
+                    self.poll.listed()
+                if self.fleet is not None:
+                    await self.fleet.report(self, result.path)
                 self.status.consecutive_failures = 0
                 metrics.HEALTHY.set(1)
                 if result.path != "up-to-date":

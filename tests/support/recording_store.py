@@ -49,6 +49,16 @@ class RecordingStore(Store):
         self.reads.append(key)
         return self._read(await self.inner.get(key, max_size))
 
+    async def get_if_changed(self, key: str, etag: str | None, max_size: int) -> tuple[bytes, str | None] | None:
+        """One conditional GET on S3 (the inner store's own), counted as GET, and as NOT_MODIFIED when it was."""
+        self.calls["GET"] += 1  # also when it fails (404)
+        got = await self.inner.get_if_changed(key, etag, max_size)
+        if got is None:
+            self.calls["NOT_MODIFIED"] += 1
+        else:
+            self.bytes_read += len(got[0])
+        return got
+
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         return self._read(await self.inner.get_range(key, start, end))
 
