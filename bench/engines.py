@@ -30,24 +30,21 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from contracts import Contract, enforce
 
-from pulsesync.digest import state_digest
 from pulsesync.protocol import signing
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import VLLMSinkConfig
 from pulsesync.sinks.vllm import VLLMSink
-from pulsesync.sinks.weight_update import Region
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer
+from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, workers_hold
 
 
 def llama(hidden: int, layers: int) -> dict[str, Any]:
@@ -88,25 +85,6 @@ def train(root: Path, config: dict[str, Any], steps: int) -> list[dict[str, torc
     return states
 
 
-async def rpc_all(url: str, method: str) -> list[dict[str, Any]]:
-    """collective_rpc's per-worker results."""
-    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json={"method": method}) as r:
-        results: list[dict[str, Any]] = (await r.json())["results"]
-    return results
-
-
-async def holds_exactly(url: str, state: dict[str, torch.Tensor], root: str) -> bool:
-    """Does each worker hold exactly its region of `state`, and say it holds `root`?"""
-    layouts, digests = await rpc_all(url, "pulsesync_layout"), await rpc_all(url, "pulsesync_digest")
-    for layout, digest in zip(layouts, digests, strict=True):
-        regions = {n: Region(tuple(s), d, a, b) for n, (s, d, a, b) in layout["regions"].items()}
-        regions |= {alias: regions[name] for alias, name in layout["aliases"].items() if name in regions}
-        part = {n: regions[n].take(t) if n in regions else t for n, t in state.items()}
-        if digest != {"root": state_digest(part).root, "held": root}:
-            return False
-    return True
-
-
 async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
     """Publish 3 steps, sync TP=1 and TP=2 servers to step 2 (slow) and 3 (fast); each worker's figures."""
     states = train(root, config, 3)
@@ -139,7 +117,7 @@ async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
                 "received_bytes": [int(w["received_bytes"]) for w in workers],
                 "kept_bytes": [int(w["kept_bytes"]) for w in workers],
                 "apply_s": [float(w["seconds"]) for w in workers],
-                "bit_exact": await holds_exactly(server.url, states[2], digest.root),
+                "bit_exact": await workers_hold(server.url, states[2], digest.root),
             }
         await subscriber.close()
         changed = sum(int((states[2][n].view(torch.int16) != t.view(torch.int16)).sum()) for n, t in states[1].items())

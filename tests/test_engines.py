@@ -408,6 +408,14 @@ def test_a_delta_cut_for_a_rank_moves_its_region_exactly_as_the_whole_delta_move
     assert WeightUpdate.from_file(tensors, meta, "f").rank == 1
 
 
+def test_a_region_a_worker_reports_is_checked_before_it_cuts_anything() -> None:
+    assert Region.from_reply([[4, 6], 1, 2, 3]) == Region((4, 6), 1, 2, 3)
+    bad: list[object] = [[[4, 6], 2, 0, 1], [[4, 6], 0, 3, 2], [[4], 1, 0, 1], [[4, 6], 0, -1, 1], [[4, 6], 0, 0, 0]]
+    for reply in [*bad, "abcd", None, {"shape": [4]}, [[4, "x"], 0, 0, 1]]:
+        with pytest.raises(ValueError):
+            Region.from_reply(reply)
+
+
 def test_a_worker_refuses_a_model_whose_layout_it_does_not_know_and_a_file_cut_for_another_rank() -> None:
     class ExpertLinear(torch.nn.Module):  # sharded by a rule pulsesync does not know
         def __init__(self) -> None:

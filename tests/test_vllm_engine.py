@@ -119,15 +119,21 @@ async def checksums(url: str) -> dict[str, str]:
     return result
 
 
-async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> None:
-    train(tmp_path)
-    store_url = f"file://{tmp_path / 'store'}"
-    assert cli("keygen", "--out", str(tmp_path / "keys")).returncode == 0
+def publish_checkpoints(root: Path) -> str:
+    """A key pair in root/keys, then `pulsesync publish --watch root/checkpoints --once` into root/store; its URL."""
+    store_url = f"file://{root / 'store'}"
+    assert cli("keygen", "--out", str(root / "keys")).returncode == 0
     publish = cli(
-        "publish", "--store", store_url, "--signing-key", str(tmp_path / "keys" / "publisher.key"),
-        "--anchor-interval", "10", "--watch", str(tmp_path / "checkpoints"), "--once",
+        "publish", "--store", store_url, "--signing-key", str(root / "keys" / "publisher.key"),
+        "--anchor-interval", "10", "--watch", str(root / "checkpoints"), "--once",
     )  # fmt: skip
     assert publish.returncode == 0, publish.stderr
+    return store_url
+
+
+async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> None:
+    train(tmp_path)
+    store_url = publish_checkpoints(tmp_path)
     store = FileStore(tmp_path / "store")
     trusted = signing.trusted_keys([tmp_path / "keys" / "publisher.pub"])
     chain = ChainClient(store, trusted)

@@ -19,17 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pulsesync.digest import state_digest
 from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.sinks import DirectorySinkConfig, VLLMSinkConfig
 from pulsesync.sinks.vllm import VLLMSink
-from pulsesync.sinks.weight_update import Region
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer
-from tests.test_vllm_engine import TINY_LLAMA, checksums, cli, completion, greedy_logprobs, train
+from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, rpc_all, workers_hold
+from tests.test_vllm_engine import TINY_LLAMA, checksums, cli, completion, greedy_logprobs, publish_checkpoints, train
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -41,41 +39,24 @@ TP_LLAMA = TINY_LLAMA | {"vocab_size": 1000, "hidden_size": 128, "intermediate_s
 STEPS = 6
 
 
-async def rpc_all(url: str, method: str) -> list[dict[str, object]]:
-    import aiohttp
-
-    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json={"method": method}) as r:
-        results: list[dict[str, object]] = (await r.json())["results"]
-    return results
-
-
 def checkpoint(root: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(root / "checkpoints" / f"checkpoint-{step}" / "model.safetensors"))
 
 
 async def assert_ranks_hold(url: str, state: dict[str, torch.Tensor], root: str) -> None:
-    """Each worker holds exactly its region of `state`, and says it holds `root`."""
-    layouts, digests = await rpc_all(url, "pulsesync_layout"), await rpc_all(url, "pulsesync_digest")
-    assert len(layouts) == 2
-    for rank, (layout, digest) in enumerate(zip(layouts, digests, strict=True)):
-        assert layout["rank"] == rank
-        regions = {n: Region(tuple(s), d, a, b) for n, (s, d, a, b) in layout["regions"].items()}  # type: ignore[union-attr]
-        assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(regions)
-        regions |= {alias: regions[name] for alias, name in layout["aliases"].items() if name in regions}  # type: ignore[union-attr]
-        part = {n: regions[n].take(t) if n in regions else t for n, t in state.items()}
-        assert digest == {"root": state_digest(part).root, "held": root}
+    """Two workers, each holding exactly its region of `state` and saying it holds `root`."""
+    layouts = await rpc_all(url, "pulsesync_layout")
+    assert [layout["rank"] for layout in layouts] == [0, 1]
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(
+        layouts[1]["regions"]
+    )
+    assert await workers_hold(url, state, root)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: Path, tied: bool) -> None:
     train(tmp_path, TP_LLAMA | {"tie_word_embeddings": tied}, STEPS)
-    store_url = f"file://{tmp_path / 'store'}"
-    assert cli("keygen", "--out", str(tmp_path / "keys")).returncode == 0
-    publish = cli(
-        "publish", "--store", store_url, "--signing-key", str(tmp_path / "keys" / "publisher.key"),
-        "--anchor-interval", "10", "--watch", str(tmp_path / "checkpoints"), "--once",
-    )  # fmt: skip
-    assert publish.returncode == 0, publish.stderr
+    store_url = publish_checkpoints(tmp_path)
     chain = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "keys" / "publisher.pub"]))
     roots = {
         s: (await chain.manifest(s, "anchor" if s == 1 else "patch")).state_digest.root for s in range(1, STEPS + 1)

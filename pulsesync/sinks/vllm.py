@@ -147,19 +147,12 @@ class VLLMSink(Sink):
         out = {}
         for name, spec in reply_field(layout, "regions", dict, where).items():
             try:
-                shape, dim, start, size = spec
-                region = Region(tuple(int(n) for n in shape), int(dim), int(start), int(size))
-            except (TypeError, ValueError):
-                raise EngineError(f"{where} answered region {str(spec)[:200]!r} for {name!r}") from None
+                out[name] = region = Region.from_reply(spec)
+            except ValueError as e:
+                raise EngineError(f"{where} answered, for {name!r}: {e}") from None
             tensor = update.state.get(name)
-            if (
-                region.dim not in (0, 1)
-                or region.dim >= len(region.shape)
-                or not 0 <= region.start < region.start + region.size <= region.shape[region.dim]
-                or (tensor is not None and tuple(tensor.shape) != region.shape)
-            ):
-                raise EngineError(f"{where} answered region {spec!r} for {name!r}")
-            out[name] = region
+            if tensor is not None and tuple(tensor.shape) != region.shape:
+                raise EngineError(f"{where} answered region {spec!r} for {name!r}, which is {tuple(tensor.shape)}")
         return out
 
     def _aliases(self, update: Update, aliases: dict[str, str]) -> set[str]:

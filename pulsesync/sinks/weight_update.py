@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,21 @@ class Region:
     dim: int
     start: int
     size: int
+
+    @classmethod
+    def from_reply(cls, spec: object) -> Region:
+        """From a worker's `[shape, dim, start, size]`; ValueError unless it describes a region of that shape."""
+        try:
+            fields: list[Any] = list(spec)  # type: ignore[call-overload]
+            shape, dim, start, size = fields
+            region = cls(tuple(int(n) for n in shape), int(dim), int(start), int(size))
+        except (TypeError, ValueError):
+            raise ValueError(f"not a region: {str(spec)[:200]!r}") from None
+        if region.dim not in (0, 1) or region.dim >= len(region.shape):
+            raise ValueError(f"region {spec!r}: no dimension {region.dim}")
+        if not 0 <= region.start < region.start + region.size <= region.shape[region.dim]:
+            raise ValueError(f"region {spec!r}: outside its dimension")
+        return region
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -141,6 +157,15 @@ class WeightUpdate:
         if base is None and update.sparse:
             raise EngineError(f"{source}: a full update cannot hold sparse entries")
         return update
+
+
+def part_of(
+    state: Mapping[str, torch.Tensor], regions: Mapping[str, Region], aliases: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """What one rank holds of a whole state: tensors with a region cut to it (a tied name as what it is tied to)."""
+    tied = aliases or {}
+    regions = dict(regions) | {alias: regions[name] for alias, name in tied.items() if name in regions}
+    return {n: regions[n].take(t) if n in regions else t for n, t in state.items()}
 
 
 def build_update(

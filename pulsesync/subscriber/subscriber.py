@@ -656,14 +656,14 @@ class Subscriber:
                             result = await self.sync()
                 if result is None:
                     break
-                if self.poll is not None:
-                    self.poll.listed()
-                if self.fleet is not None:
-                    await self.fleet.report(self, result.path)
                 self.status.consecutive_failures = 0
                 metrics.HEALTHY.set(1)
                 if result.path != "up-to-date":
                     log.info("%s", result.to_json())
+                if self.poll is not None:
+                    self.poll.listed()
+                if self.fleet is not None:  # best effort, after the health the sync earned
+                    await self.fleet.report(self, result.path)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
         finally:

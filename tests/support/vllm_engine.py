@@ -14,12 +14,17 @@ import os
 import subprocess
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import torch
 from aiohttp import web
 
+from pulsesync.digest import state_digest
+from pulsesync.sinks.weight_update import Region, part_of
 from tests.support.servers import free_port
 
 VLLM_PYTHON = os.environ.get("PULSESYNC_VLLM_PYTHON")
@@ -141,3 +146,20 @@ class EngineProxy:
             request.method, self.upstream + request.path_qs, data=data, headers={"Content-Type": "application/json"}
         ) as upstream:
             return web.Response(status=upstream.status, body=await upstream.read(), content_type="application/json")
+
+
+async def rpc_all(url: str, method: str) -> list[dict[str, Any]]:
+    """collective_rpc's results, one per worker in rank order."""
+    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json={"method": method}) as r:
+        results: list[dict[str, Any]] = (await r.json())["results"]
+    return results
+
+
+async def workers_hold(url: str, state: Mapping[str, torch.Tensor], root: str) -> bool:
+    """Does each worker hold exactly its part of `state` (by the regions it reports), and say it holds `root`?"""
+    layouts, digests = await rpc_all(url, "pulsesync_layout"), await rpc_all(url, "pulsesync_digest")
+    for layout, digest in zip(layouts, digests, strict=True):
+        regions = {name: Region.from_reply(spec) for name, spec in layout["regions"].items()}
+        if digest != {"root": state_digest(part_of(state, regions, layout["aliases"])).root, "held": root}:
+            return False
+    return True
