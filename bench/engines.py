@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, help="model width (default 512; quick 256)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     args = parser.parse_args()
     if VLLM_PYTHON is None:
         sys.exit(
@@ -160,6 +161,10 @@ def main() -> None:
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plots:
+        import plots
+
+        print("\n".join(str(p) for p in plots.engines(result, args.plots)))
     enforce(
         [
             Contract("bit_exact", float(result["bit_exact"]), 1.0, at_most=False),

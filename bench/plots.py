@@ -275,6 +275,33 @@ def sharded(doc: dict[str, Any], out: Path) -> list[Path]:
     return [_save(fig, out / "sharded.png")]
 
 
+def engines(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Per vLLM worker, TP=1 and TP=2: bytes it received for one fast-path patch and bytes it keeps."""
+    out.mkdir(parents=True, exist_ok=True)
+    labels, received, kept = [], [], []
+    for tp in ("1", "2"):
+        run = doc["runs"][tp]
+        for rank, (got, held) in enumerate(zip(run["received_bytes"], run["kept_bytes"], strict=True)):
+            labels.append(f"TP={tp}\nworker {rank}")
+            received.append(got / 1e6)
+            kept.append(held / 1e6)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    left.bar(labels, received, color="C0")
+    left.set_ylabel("MB received")
+    left.set_title("its update file, one fast-path patch", fontsize=9)
+    right.bar(labels, kept, color="C1")
+    right.set_ylabel("MB kept beside the engine's weights")
+    right.set_title("its copy of the modules it rebuilds", fontsize=9)
+    for ax in (left, right):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"bench/engines.py: TP=2 workers receive {doc['worker_bytes_tp2_over_tp1']:.2f}x and keep "
+        f"{doc['worker_kept_bytes_tp2_over_tp1']:.2f}x a TP=1 worker's",
+        fontsize=10,
+    )
+    return [_save(fig, out / "engines.png")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--codec", type=Path, metavar="JSON", help="bench/codec.py --json output")
@@ -283,6 +310,7 @@ def main() -> None:
     parser.add_argument("--publish", type=Path, metavar="JSON", help="bench/publish.py --json output")
     parser.add_argument("--subscriber", type=Path, metavar="JSON", help="bench/subscriber.py --json output")
     parser.add_argument("--sharded", type=Path, metavar="JSON", help="bench/sharded.py --json output")
+    parser.add_argument("--engines", type=Path, metavar="JSON", help="bench/engines.py --json output")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
     args = parser.parse_args()
     plotters = {
@@ -292,6 +320,7 @@ def main() -> None:
         "publish": publish,
         "subscriber": subscriber,
         "sharded": sharded,
+        "engines": engines,
     }
     written = []
     for name, plot in plotters.items():
