@@ -140,99 +140,102 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
     manifests = {s: await chain.manifest(s, "anchor" if s == 1 else "patch") for s in range(1, STEPS + 1)}
     published: dict[int, StateDigest] = {s: m.state_digest for s, m in manifests.items()}
 
-    engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log").start()
-    proxy = EngineProxy(engine.url)
-    url = await proxy.start()
-    updates = tmp_path / "updates"
-    sink = VLLMSinkConfig(url=url, update_dir=updates)
-    out = DirectorySinkConfig(out_dir=tmp_path / "out", keep=STEPS)
-    config_file = tmp_path / "subscribe.yaml"
-    config_file.write_text(
-        json.dumps(
-            {
-                "store": {"url": store_url},
-                "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
-                "cache_dir": str(tmp_path / "cache"),
-                "sinks": [out.model_dump(mode="json"), sink.model_dump(mode="json")],
-            }
+    # A fresh server on the last step's checkpoint, started beside the engine: once updated to that
+    # step, the engine must answer exactly as it does.
+    reference = VLLMServer(tmp_path / "checkpoints" / f"checkpoint-{STEPS}", tmp_path / "reference.log").launch()
+    try:
+        engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log").start()
+        proxy = EngineProxy(engine.url)
+        url = await proxy.start()
+        updates = tmp_path / "updates"
+        sink = VLLMSinkConfig(url=url, update_dir=updates)
+        out = DirectorySinkConfig(out_dir=tmp_path / "out", keep=STEPS)
+        config_file = tmp_path / "subscribe.yaml"
+        config_file.write_text(
+            json.dumps(
+                {
+                    "store": {"url": store_url},
+                    "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
+                    "cache_dir": str(tmp_path / "cache"),
+                    "sinks": [out.model_dump(mode="json"), sink.model_dump(mode="json")],
+                }
+            )
         )
-    )
 
-    async def engine_holds(step: int) -> None:
-        digest = await rpc(engine.url, "pulsesync_digest")
-        assert digest == {"root": published[step].root, "held": published[step].root}
+        async def engine_holds(step: int) -> None:
+            digest = await rpc(engine.url, "pulsesync_digest")
+            assert digest == {"root": published[step].root, "held": published[step].root}
 
-    try:
-        # Cold start through the CLI: slow path, a full update through vLLM's reload path.
-        first = await asyncio.to_thread(cli, "subscribe", "--config", str(config_file), "--once", "--step", "2")
-        assert first.returncode == 0, first.stderr
-        assert json.loads(first.stdout)["path"] == "slow"
-        await engine_holds(2)
-        assert list(updates.iterdir()) == []  # the update file is gone once applied
+        try:
+            # Cold start through the CLI: slow path, a full update through vLLM's reload path.
+            first = await asyncio.to_thread(cli, "subscribe", "--config", str(config_file), "--once", "--step", "2")
+            assert first.returncode == 0, first.stderr
+            assert json.loads(first.stdout)["path"] == "slow"
+            await engine_holds(2)
+            assert list(updates.iterdir()) == []  # the update file is gone once applied
 
-        # A restarted sidecar: the engine already holds the cached step, so nothing is re-sent.
-        sub = Subscriber(SubscriberConfig.model_validate_json(json.dumps(json.loads(config_file.read_text()))))
-        vllm_sink = next(s for s in sub.sinks if isinstance(s, VLLMSink))
-        proxy.seen.clear()
-        await sub.start()
-        assert sub.step == 2 and "/collective_rpc:pulsesync_apply" not in proxy.calls()
+            # A restarted sidecar: the engine already holds the cached step, so nothing is re-sent.
+            sub = Subscriber(SubscriberConfig.model_validate_json(json.dumps(json.loads(config_file.read_text()))))
+            vllm_sink = next(s for s in sub.sinks if isinstance(s, VLLMSink))
+            proxy.seen.clear()
+            await sub.start()
+            assert sub.step == 2 and "/collective_rpc:pulsesync_apply" not in proxy.calls()
 
-        # Fast path: a delta about the size of the patch.
-        assert (await sub.sync(3)).path == "fast"
-        await engine_holds(3)
-        assert vllm_sink.last_update is not None and vllm_sink.last_update.base == published[2].root
-        patch = await store.get(manifests[3].objects[0].key)
-        decoded = read_header(patch).decoded_bytes
-        ratio = vllm_sink.last_update.nbytes / decoded
-        print(f"fast-path update {vllm_sink.last_update.nbytes} bytes, patch decoded {decoded} bytes: {ratio:.2f}x")
-        assert ratio <= 3.0
+            # Fast path: a delta about the size of the patch.
+            assert (await sub.sync(3)).path == "fast"
+            await engine_holds(3)
+            assert vllm_sink.last_update is not None and vllm_sink.last_update.base == published[2].root
+            patch = await store.get(manifests[3].objects[0].key)
+            decoded = read_header(patch).decoded_bytes
+            ratio = vllm_sink.last_update.nbytes / decoded
+            print(f"fast-path update {vllm_sink.last_update.nbytes} bytes, patch decoded {decoded} bytes: {ratio:.2f}x")
+            assert ratio <= 3.0
 
-        # Chain path while requests run; the long prompt was prefix-cached under step 3.
-        await completion(url, LONG_PROMPT)
-        in_flight = asyncio.ensure_future(completion(url, LONG_PROMPT, max_tokens=100))
-        await asyncio.sleep(0.2)
-        assert (await sub.sync(5)).path == "chain"
-        await in_flight
-        await engine_holds(5)
-        at_step_5 = await greedy_logprobs(url)
+            # Chain path while requests run; the long prompt was prefix-cached under step 3.
+            await completion(url, LONG_PROMPT)
+            in_flight = asyncio.ensure_future(completion(url, LONG_PROMPT, max_tokens=100))
+            await asyncio.sleep(0.2)
+            assert (await sub.sync(5)).path == "chain"
+            await in_flight
+            await engine_holds(5)
+            at_step_5 = await greedy_logprobs(url)
 
-        # An update that fails validation changes nothing.
-        state = dict(sub.state or {}) | {"bogus.weight": torch.zeros(4, dtype=torch.bfloat16)}
-        bogus = Update(6, state, state_digest(state), {}, None)
-        with pytest.raises(EngineError, match=r"bogus\.weight"):
-            await vllm_sink.deliver(bogus)
-        await engine_holds(5)
-        assert await greedy_logprobs(url) == at_step_5
+            # An update that fails validation changes nothing.
+            state = dict(sub.state or {}) | {"bogus.weight": torch.zeros(4, dtype=torch.bfloat16)}
+            bogus = Update(6, state, state_digest(state), {}, None)
+            with pytest.raises(EngineError, match=r"bogus\.weight"):
+                await vllm_sink.deliver(bogus)
+            await engine_holds(5)
+            assert await greedy_logprobs(url) == at_step_5
 
-        # The prefix-cache reset fails after the apply: the engine holds step 6 and says so.
-        proxy.fail_reset = True
-        with pytest.raises(EngineError, match="holds step 6"):
-            await sub.sync(6)
-        assert sub.step == 5
-        await engine_holds(6)
-        proxy.fail_reset = False
-        proxy.seen.clear()
-        assert (await sub.sync(6)).step == 6
-        assert "/collective_rpc:pulsesync_apply" not in proxy.calls() and "/reset_prefix_cache" in proxy.calls()
-        assert proxy.calls()[-1] == "/resume"
+            # The prefix-cache reset fails after the apply: the engine holds step 6 and says so.
+            proxy.fail_reset = True
+            with pytest.raises(EngineError, match="holds step 6"):
+                await sub.sync(6)
+            assert sub.step == 5
+            await engine_holds(6)
+            proxy.fail_reset = False
+            proxy.seen.clear()
+            assert (await sub.sync(6)).step == 6
+            assert "/collective_rpc:pulsesync_apply" not in proxy.calls() and "/reset_prefix_cache" in proxy.calls()
+            assert proxy.calls()[-1] == "/resume"
 
-        # The engine restarts from step 5's directory: a fresh server there answers as the updated one did.
-        engine.stop()
-        engine = VLLMServer(tmp_path / "out" / "step-000000000005", tmp_path / "vllm.log").start()
-        proxy.upstream = engine.url
-        assert await greedy_logprobs(url) == at_step_5  # also: no stale prefix reuse after the chain update
-        assert (await rpc(engine.url, "pulsesync_held"))["digest"] is None  # unknown after a restart
-        assert (await sub.sync(7)).path == "fast"
-        assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None  # so: a full update
-        await engine_holds(7)
-        at_step_7, sums_7 = await greedy_logprobs(url), await checksums(engine.url)
-        await sub.close()
-    finally:
-        engine.stop()
-        await proxy.stop()
+            # The engine restarts from step 5's directory: a fresh server there answers as the updated one did.
+            engine.stop()
+            engine = VLLMServer(tmp_path / "out" / "step-000000000005", tmp_path / "vllm.log").start()
+            proxy.upstream = engine.url
+            assert await greedy_logprobs(url) == at_step_5  # also: no stale prefix reuse after the chain update
+            assert (await rpc(engine.url, "pulsesync_held"))["digest"] is None  # unknown after a restart
+            assert (await sub.sync(7)).path == "fast"
+            assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None  # so: a full update
+            await engine_holds(7)
+            at_step_7, sums_7 = await greedy_logprobs(url), await checksums(engine.url)
+            await sub.close()
+        finally:
+            engine.stop()
+            await proxy.stop()
 
-    reference = VLLMServer(tmp_path / "out" / "step-000000000007", tmp_path / "reference.log").start()
-    try:
+        reference.ready()
         assert await greedy_logprobs(reference.url) == at_step_7
         assert await checksums(reference.url) == sums_7
     finally:
