@@ -103,14 +103,6 @@ def pointer_body(step: int, kind: Kind) -> bytes:
     return ready_key(step, kind).encode()
 
 
-def parse_pointer(data: bytes) -> ReadyEntry | None:
-    """The marker a pointer names, or None for anything else (it is untrusted and only a hint)."""
-    try:
-        return parse_ready_key(data.decode("ascii"))
-    except UnicodeDecodeError:
-        return None
-
-
 def step_of_payload(key: str) -> int | None:
     """The step folder a payload key lies in (patches/ or anchors/), or None for any other key."""
     match = _PAYLOAD_RE.fullmatch(key)

@@ -188,8 +188,9 @@ def kept_entries(
     if (newest, "patch") in published:
         keep_patch_chain(newest)
     if catch_up_from:
+        oldest = min(catch_up_from)
         for step in patches:
-            if step > min(catch_up_from):
+            if step > oldest:
                 keep_patch_chain(step)
     return keep
 

@@ -52,7 +52,6 @@ class Slot:
     row_offset: int
     shape: tuple[int, ...]  # the checkpoint tensor's, whole
     region: Region | None = None  # the part this rank holds; None: all of it
-    fused: bool = False  # one of several checkpoint tensors packed into the parameter
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -74,6 +73,7 @@ class EngineLayout:
     in_place: set[str] = field(default_factory=set)  # module names
     params: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = field(default_factory=dict)  # model format
     unknown: dict[str, str] = field(default_factory=dict)  # module -> why its layout is not known
+    modules: dict[str, list[str]] = field(default_factory=dict)  # module -> its checkpoint names
 
     def describe(self) -> dict[str, Any]:
         """What the sidecar needs: names, aliases, how each module is written, each name's region."""
@@ -128,7 +128,7 @@ def _kinds(module: torch.nn.Module) -> set[str]:
 def _module_slots(
     module: torch.nn.Module, mname: str, pname: str, fmt: torch.Tensor, subs: list[str] | None
 ) -> list[tuple[str, Slot]]:
-    """The checkpoint tensors in parameter `pname` of `module` and where each lies (module.py's rules)."""
+    """The checkpoint tensors in parameter `pname` of `module` and where each lies (the rules above)."""
     prefix, _, local = mname.rpartition(".")
     tp, rank = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", 0))
     shape = tuple(fmt.shape)
@@ -154,7 +154,7 @@ def _module_slots(
             whole = (rows * copies, *shape[1:])
             name = f"{prefix}.{sub}.{pname}" if prefix else f"{sub}.{pname}"
             region = _region(whole, 0, shard_rank * rows, rows)
-            fused.append((name, Slot(mname, full, offset, whole, region, True)))
+            fused.append((name, Slot(mname, full, offset, whole, region)))
             offset += rows
         return fused
     vocab = getattr(module, "org_vocab_size", None)
@@ -220,6 +220,7 @@ def engine_layout(model: torch.nn.Module, model_params: ModelParams = live_param
                 continue
             for name, slot in placed:
                 layout.slots[name] = slot
+                layout.modules.setdefault(mname, []).append(name)
                 by_param.setdefault((mname, pname), []).append(slot)
     for (mname, pname), slots in by_param.items():
         shape = layout.params[mname][pname][0]

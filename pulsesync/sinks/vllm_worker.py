@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -180,13 +179,11 @@ class WeightApplier:
 
     def _model_format(self, module: str, parts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The module's parameters in model format, assembled from this rank's parts (padding rows zero)."""
-        out = {}
-        for pname, (shape, dtype) in self.layout.params[module].items():
-            full = f"{module}.{pname}" if module else pname
-            out[pname] = torch.zeros(shape, dtype=dtype)
-            for name, slot in self.layout.slots.items():
-                if slot.param == full:
-                    out[pname].narrow(0, slot.row_offset, slot.local_shape[0]).copy_(parts[name])
+        out = {pname: torch.zeros(shape, dtype=dtype) for pname, (shape, dtype) in self.layout.params[module].items()}
+        for name in self.layout.modules[module]:
+            slot = self.layout.slots[name]
+            target = out[slot.param.removeprefix(f"{module}.") if module else slot.param]
+            target.narrow(0, slot.row_offset, slot.local_shape[0]).copy_(parts[name])
         return out
 
     @contextmanager
@@ -209,7 +206,7 @@ class WeightApplier:
             def process(layer: torch.nn.Module, _original: Any = method.process_weights_after_loading) -> Any:
                 name = names.get(id(layer))
                 if name is not None:
-                    parts = {n: s.take(state[n]) for n, s in self.layout.slots.items() if s.module == name}
+                    parts = {n: self.layout.slots[n].take(state[n]) for n in self.layout.modules[name]}
                     expected = self._model_format(name, parts)
                     if not all(_same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
                         misplaced.add(name)
@@ -260,10 +257,7 @@ class WeightApplier:
     def _check_in_place(self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
         """After a full load: in-place modules are those whose views hold exactly this rank's part of the bits."""
         slots = self.layout.slots
-        by_module: dict[str, list[str]] = defaultdict(list)
-        for name, slot in slots.items():
-            by_module[slot.module].append(name)
-        for module, names in by_module.items():
+        for module, names in self.layout.modules.items():
             if module in self.layout.in_place and not all(
                 _same_bits(_view(params, slots[n]), slots[n].take(state[n]).to(params[slots[n].param].dtype))
                 for n in names

@@ -29,7 +29,6 @@ class PointerPoll:
         self.store = store
         self.list_every_seconds = list_every_seconds
         self.etag: str | None = None  # of the pointer last read; None: not read yet (or gone)
-        self.pointer: layout.ReadyEntry | None = None  # what it named, for display only
         self._listed_at: float | None = None
 
     def listed(self) -> None:
@@ -48,6 +47,5 @@ class PointerPoll:
             return True
         if got is None:
             return False
-        data, self.etag = got
-        self.pointer = layout.parse_pointer(data)
+        self.etag = got[1]  # what it names is not read: the listing and the signed markers decide
         return True
