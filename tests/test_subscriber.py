@@ -36,7 +36,7 @@ from pulsesync.protocol.manifest import ObjectRef, PatchManifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig
-from pulsesync.store import RetryPolicy, S3Store, Store
+from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
 from tests.support.fault_proxy import FaultProxy
 from tests.support.helpers import assert_states_equal, flip_byte, trainer_states
 from tests.support.recording_store import RecordingStore
@@ -394,3 +394,53 @@ async def test_an_idle_daemon_polls_the_pointer_not_the_listing_and_a_bad_pointe
         await daemon
         await pub.close()
         await store.close()
+
+
+async def test_a_daemon_is_healthy_as_soon_as_a_sync_succeeds_however_long_its_fleet_status_write_takes(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    class Flaky(RecordingStore):  # listings fail on cue; fleet status writes wait for `release`
+        failing = False
+        release = asyncio.Event()
+
+        def list(self, prefix: str = "", start_after: str | None = None) -> Any:
+            if self.failing:
+                raise StoreError(f"list {prefix}: connection refused")
+            return super().list(prefix, start_after)
+
+        async def put(self, key: str, data: bytes) -> None:
+            if key.startswith("fleet/"):
+                await self.release.wait()
+            await super().put(key, data)
+
+    inner = FileStore(tmp_path / "store")
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=inner, signing_key=key)
+    await pub.start()
+    await publish(pub, range(2))
+    store = Flaky(inner)
+    store.release.set()
+    sub = subscriber(store, key, poll_seconds=0.02, poll_pointer=False, unhealthy_after=1, retry_max_seconds=0.1)
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(sub.run(stop))
+
+    async def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline and not daemon.done(), sub.status
+            await asyncio.sleep(0.01)
+
+    try:
+        await until(lambda: sub.step == 1)
+        store.failing = True
+        await until(lambda: not sub.healthy()[0])
+        store.release.clear()  # the next fleet status write hangs
+        await publish(pub, range(2, 3))
+        store.failing = False
+        await until(lambda: sub.step == 2)
+        await asyncio.sleep(0.1)
+        assert sub.healthy()[0], sub.status  # not waiting on the advisory write
+    finally:
+        store.release.set()
+        stop.set()
+        await daemon
+        await pub.close()
