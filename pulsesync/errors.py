@@ -123,6 +123,12 @@ class MissingReferenceError(IntegrityError):
     exit_code = 20
 
 
+class PolicyLagError(EngineError):
+    """A rollout engine did not reach a policy step recent enough (`max_lag`) in time, or holds a newer one."""
+
+    exit_code = 21
+
+
 ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     PulseSyncError,
     ConfigError,
@@ -143,4 +149,5 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     LocalWriteError,
     ForeignStreamError,
     MissingReferenceError,
+    PolicyLagError,
 )

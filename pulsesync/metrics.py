@@ -74,6 +74,19 @@ SCRUBS = Counter(
 )
 SCRUBBED_BYTES = Counter("pulsesync_scrubbed_bytes_total", "Bytes of held state the scrub re-hashed", ["role"])
 
+# --- rollouts (pulsesync.integrations.rollout, in the trainer's process) ------------------------------
+ROLLOUT_POLICY_LAG = Gauge(
+    "pulsesync_rollout_policy_lag_steps", "Trainer step minus the policy step that generated the newest batch"
+)
+ROLLOUT_LAG_WAIT_SECONDS = Histogram(
+    "pulsesync_rollout_lag_wait_seconds",
+    "Seconds a batch waited for the engine to come within max_lag",
+    buckets=_SECONDS,
+)
+ROLLOUT_RETRIES = Counter(
+    "pulsesync_rollout_retries_total", "Batches generated again because the engine's policy changed while they ran"
+)
+
 # --- store ---------------------------------------------------------------------------------------
 STORE_RETRIES = Counter("pulsesync_store_retries_total", "Store calls retried after a transient error", ["op"])
 STORE_DELETES_REFUSED = Counter(

@@ -198,6 +198,7 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
         use_cpu=True,
         logging_strategy="no",
     )
+    initial = {n: t.detach().clone() for n, t in model.state_dict().items()}
     callback = PulseSyncCallback(config)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
@@ -208,7 +209,9 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
 
     reader = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
     ready = asyncio.run(reader.ready())
-    assert ready == {1: {"anchor"}, 2: {"patch"}, 3: {"patch", "anchor"}}
+    # The initial weights are step 0, so engines launched from any checkpoint converge to a known policy.
+    assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"patch"}}
+    assert_states_equal(asyncio.run(reader.reconstruct(0)).state, initial)
     final = asyncio.run(reader.reconstruct(3))
     assert_states_equal(final.state, {n: t.detach() for n, t in model.state_dict().items()})
 

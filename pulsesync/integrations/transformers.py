@@ -1,7 +1,9 @@
 """Publish from inside a `transformers.Trainer`: `trainer.add_callback(PulseSyncCallback(config))`.
 
-Each optimizer step (`on_step_end`) the main process publishes the model's weights and returns as
-soon as they are copied to host memory; `on_train_end` flushes. Anchors carry the model's
+Each optimizer step (`on_step_end`) the main process publishes the model's weights as step
+`global_step` and returns as soon as they are copied to host memory; `on_train_end` flushes. A run
+that starts from step 0 first publishes the initial weights as step 0 (`on_train_begin`), so
+engines launched from any checkpoint converge to a known policy before the first update. Anchors carry the model's
 config.json and generation_config.json, so they open with `from_pretrained`.
 
 Several ranks (FSDP2, data parallel): every rank publishes its own `model.state_dict()` through a
@@ -41,6 +43,7 @@ class PulseSyncCallback(TrainerCallback):
         publisher: Publisher | None = None,
         state_dict_fn: StateDictFn | None = None,
         every: int = 1,
+        publish_initial: bool = True,
     ) -> None:
         if (config is None) == (publisher is None):
             raise ValueError("pass exactly one of config or publisher")
@@ -49,6 +52,7 @@ class PulseSyncCallback(TrainerCallback):
         self._owns_publisher = publisher is None
         self._state_dict_fn = state_dict_fn
         self._every = every
+        self._publish_initial = publish_initial
         self._files_dir = tempfile.TemporaryDirectory(prefix="pulsesync-hf-")
         self._files: dict[str, Path] | None = None
 
@@ -76,10 +80,20 @@ class PulseSyncCallback(TrainerCallback):
             self._files = {p.name: p for p in out.glob("*.json")}
         return self._files
 
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Publish the initial weights as step 0 (not when resuming: that step is in the store already)."""
+        if self._publish_initial and state.global_step == 0:
+            self._publish(state, kwargs.get("model"))
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Publish the weights of this optimizer step (every rank when sharded; else the main process)."""
-        model = kwargs.get("model")
-        if model is None or state.global_step % self._every:
+        if state.global_step % self._every == 0:
+            self._publish(state, kwargs.get("model"))
+
+    def _publish(self, state: TrainerState, model: Any) -> None:
+        if model is None:
             return
         if self._state_dict_fn is not None:
             weights = self._state_dict_fn(model)  # collective: every rank takes part

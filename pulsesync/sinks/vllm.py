@@ -33,7 +33,7 @@ from pulsesync.sinks.http import EngineClient, paused, reply_field
 from pulsesync.sinks.vllm_worker import PulseSyncWorkerExtension
 from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
 
-__all__ = ["PulseSyncWorkerExtension", "VLLMSink", "VLLMSinkConfig"]
+__all__ = ["HeldPolicy", "PulseSyncWorkerExtension", "VLLMSink", "VLLMSinkConfig", "collective_rpc", "held_policy"]
 
 
 class SentUpdate(NamedTuple):
@@ -65,6 +65,34 @@ class VLLMSinkConfig(BaseModel):
         return v.expanduser().resolve()  # the engine resolves paths from its own working directory
 
 
+class HeldPolicy(NamedTuple):
+    """The verified step (and its state digest) that every worker of an engine holds."""
+
+    step: int
+    digest: str
+
+
+async def collective_rpc(engine: EngineClient, method: str, *args: Any, timeout: float) -> list[dict[str, Any]]:
+    """A worker-extension method run on every worker; their replies in rank order, each checked to be an object."""
+    body = {"method": method, "args": list(args), "kwargs": {}, "timeout": timeout}
+    reply = await engine.post("/collective_rpc", body)
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+        raise EngineError(f"vllm: {method} on {engine.url} answered {str(reply)[:300]!r}")
+    return results
+
+
+async def held_policy(engine: EngineClient, timeout: float) -> HeldPolicy | None:
+    """What every worker holds; None when a worker does not know (launch checkpoint, failure) or they disagree."""
+    held = {(r.get("step"), r.get("digest")) for r in await collective_rpc(engine, "pulsesync_held", timeout=timeout)}
+    if len(held) != 1:
+        return None
+    ((step, digest),) = held
+    if type(step) is not int or not isinstance(digest, str):
+        return None
+    return HeldPolicy(step, digest)
+
+
 def _save(update: WeightUpdate, path: Path) -> None:
     tensors, meta = update.to_file()
     save_file(tensors, str(path), metadata=meta)
@@ -81,18 +109,12 @@ class VLLMSink(Sink):
         self.last_update: SentUpdate | None = None  # what the last delivery sent (not its tensors)
 
     async def _rpc(self, engine: EngineClient, method: str, *args: Any) -> list[dict[str, Any]]:
-        body = {"method": method, "args": list(args), "kwargs": {}, "timeout": self.config.timeout_seconds}
-        reply = await engine.post("/collective_rpc", body)
-        results = reply.get("results") if isinstance(reply, dict) else None
-        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-            raise EngineError(f"vllm sink: {method} on {self.url} answered {str(reply)[:300]!r}")
-        return results
+        return await collective_rpc(engine, method, *args, timeout=self.config.timeout_seconds)
 
     async def held(self, engine: EngineClient) -> str | None:
         """The state digest every worker holds, None when unknown or when the workers disagree."""
-        digests = {r.get("digest") for r in await self._rpc(engine, "pulsesync_held")}
-        held = digests.pop() if len(digests) == 1 else None
-        return held if isinstance(held, str) else None
+        held = await held_policy(engine, self.config.timeout_seconds)
+        return held.digest if held is not None else None
 
     async def deliver(self, update: Update) -> None:
         """Bring the engine to the update's state; EngineError (naming what it holds) if it cannot."""

@@ -14,7 +14,7 @@ import os
 import subprocess
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,11 +104,12 @@ class VLLMServer:
 
 @dataclass
 class EngineProxy:
-    """Forwards to `upstream`, records (method, path, JSON body), and fails the prefix-cache reset on cue."""
+    """Forwards to `upstream` and records (method, path, JSON body); fails the cache reset or holds a reply on cue."""
 
     upstream: str
     seen: list[tuple[str, str, object]] = field(default_factory=list)
     fail_reset: bool = False
+    before_reply: Callable[[str], Awaitable[None]] | None = None  # awaited with the path, the reply in hand
 
     async def start(self) -> str:
         app = web.Application(client_max_size=1 << 30)
@@ -145,7 +146,10 @@ class EngineProxy:
         async with self._session.request(
             request.method, self.upstream + request.path_qs, data=data, headers={"Content-Type": "application/json"}
         ) as upstream:
-            return web.Response(status=upstream.status, body=await upstream.read(), content_type="application/json")
+            status, reply = upstream.status, await upstream.read()
+        if self.before_reply is not None:
+            await self.before_reply(request.path)
+        return web.Response(status=status, body=reply, content_type="application/json")
 
 
 async def rpc_all(url: str, method: str) -> list[dict[str, Any]]:
