@@ -369,6 +369,12 @@ def main() -> None:
     parser.add_argument(
         "--real-llm-steps", type=int, help="optimizer steps of the real LLM workload (default 6; quick 4; 0: skip)"
     )
+    parser.add_argument(
+        "--real-llm-workload",
+        choices=sorted(real_llm.WORKLOADS),
+        default="sft",
+        help="the real LLM's updates: supervised fine-tune (default) or GRPO with TRL (bench/real_llm.py)",
+    )
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
     measured = args.steps or (2 if args.quick else 4)
@@ -378,7 +384,7 @@ def main() -> None:
     t0 = time.perf_counter()
     sections = {w: run_workload(w, args, hidden, measured, reps) for w in WORKLOADS}
     llm_steps = args.real_llm_steps if args.real_llm_steps is not None else (4 if args.quick else 6)
-    llm = real_llm.measure(llm_steps) if llm_steps else None
+    llm = real_llm.measure(llm_steps, workload=args.real_llm_workload) if llm_steps else None
     if llm is not None:
         real_llm.print_table(llm)
     synthetic, real = sections["synthetic"], sections["real-like"]

