@@ -108,7 +108,13 @@ def grpo_steps(steps: int, lr: float = 1e-6, seed: int = 0) -> list[State]:
     path = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    # The same weights in a plain model: transformers' Trainer refuses a model loaded from GGUF as quantized.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
     states: list[State] = []
 
     class Record(TrainerCallback):  # type: ignore[misc]
