@@ -44,6 +44,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
 from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, rpc_all
+from tests.test_vllm_engine import TINY_LLAMA
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -55,15 +56,8 @@ pytestmark = [
 
 STEPS = 8
 GENERATIONS = 4
-TINY = {  # SmolLM2's vocabulary, a tiny body: head_dim 64 as vLLM's CPU attention wants
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
+# The engine tests' tiny Llama body (head_dim 64, as vLLM's CPU attention wants) with SmolLM2's vocabulary.
+TINY = {k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"}
 # Short, distinct prompts: no two batches share a cached prefix block, so a replay computes alike.
 PROMPTS = [f"Say {n}:" for n in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")]
 

@@ -168,3 +168,19 @@ def test_the_trl_adapter_samples_as_the_trainer_is_configured() -> None:
     }
     more = sampling_of(trl.GRPOConfig(output_dir="unused", use_cpu=True, top_k=5, min_p=0.1))
     assert (more["top_k"], more["min_p"]) == (5, 0.1)
+
+
+async def test_a_batch_an_aborting_update_failed_is_generated_again_on_the_new_step(
+    engine: tuple[Engine, str],
+) -> None:
+    """`pause_mode: abort` fails the running requests of an update; that batch is retried, not an error."""
+    state, url = engine
+
+    def aborted_by_an_update(body: dict[str, Any]) -> web.Response:
+        state.held = [{"step": 5, "digest": "d5"}]
+        state.completions = None  # the retry gets a well-formed reply
+        return web.Response(status=500, text='{"error": "request aborted"}')
+
+    state.completions = aborted_by_an_update
+    batch = await RolloutClient(url, max_lag=1).generate([[1]], 5)
+    assert (batch.policy.step, batch.attempts, len(state.bodies)) == (5, 2, 2)

@@ -89,9 +89,14 @@ class RolloutClient:
             waited = time.monotonic() - started
             for attempt in range(1, self.attempts + 1):
                 bodies = [self._body(model, ids, n) for ids, n in groups]
-                replies = await asyncio.gather(*(engine.post("/v1/completions", b) for b in bodies))
+                try:
+                    replies = await asyncio.gather(*(engine.post("/v1/completions", b) for b in bodies))
+                except EngineError:  # an update's `pause_mode: abort` fails running requests: retry then
+                    if await held_policy(engine, self.request_timeout_seconds) == policy:
+                        raise
+                    replies = None
                 after = await held_policy(engine, self.request_timeout_seconds)
-                if after == policy:
+                if replies is not None and after == policy:
                     completions = [
                         c for (ids, n), r in zip(groups, replies, strict=True) for c in self._parse(r, ids, n, policy)
                     ]
