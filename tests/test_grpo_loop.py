@@ -10,7 +10,8 @@ completion comes from `pulsesync.integrations.trl.rollout_func` with `max_lag=1`
 Asserted:
 - every completion is tagged with a step s' where s - 1 <= s' <= s (s: the trainer's step);
 - the logprobs TRL received are the engine's at s': replayed on a fresh server started from the
-  published step s', the same requests (same seeds) give the same tokens and bit-identical logprobs;
+  published step s' (the newest lagged batch's), the same requests (same seeds) give the same
+  tokens and bit-identical logprobs;
 - at the end, the engine's `/weight_checker` checksums and state digest equal those of a fresh server
   on the trainer's last published state;
 - `pulsesync inspect --json` lists the subscriber holding that step;
@@ -246,8 +247,8 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
         # Fresh servers: the last published step (weight checks) and a sample of policy steps (replays).
         store = FileStore(tmp_path / "store")
         chain = ChainClient(store, signing.trusted_keys([tmp_path / "keys" / "publisher.pub"]))
-        lagged = [i for i, b in enumerate(batches) if b.lag == 1] or [0]  # a lagged batch if there is one
-        sample = {batches[i].policy.step: i for i in (lagged[0], len(batches) - 1)}
+        lagged = [i for i, b in enumerate(batches) if b.lag == 1] or [len(batches) - 1]
+        sample = {batches[lagged[-1]].policy.step: lagged[-1]}  # the newest lagged batch (else the last)
         for step in sorted({STEPS, *sample}):
             references.append(VLLMServer(checkpoint_of(tmp_path, chain, step), tmp_path / f"ref-{step}.log").launch())
         servers = {step: server for step, server in zip(sorted({STEPS, *sample}), references, strict=True)}
@@ -274,7 +275,8 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
                 f"the logprobs of the batch at trainer step {batch.trainer_step} are not step {step}'s"
             )
         # The check can fail: on another step's weights the same requests score otherwise.
-        assert bits(replay(servers[STEPS].url, batches[-1])[1]) != bits(received[-1]["logprobs"])
+        ((_, index),) = sample.items()
+        assert bits(replay(servers[STEPS].url, batches[index])[1]) != bits(received[index]["logprobs"])
 
         last = asyncio.run(chain.manifest(STEPS, "patch")).state_digest.root
         assert [d["root"] for d in asyncio.run(rpc_all(engine.url, "pulsesync_digest"))] == [last]
