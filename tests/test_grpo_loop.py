@@ -45,7 +45,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
 from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, rpc_all
-from tests.test_vllm_engine import TINY_LLAMA
+from tests.test_vllm_engine import TINY_LLAMA, checksums
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -280,8 +280,7 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
 
         last = asyncio.run(chain.manifest(STEPS, "patch")).state_digest.root
         assert [d["root"] for d in asyncio.run(rpc_all(engine.url, "pulsesync_digest"))] == [last]
-        checks = [asyncio.run(post(s.url, "/weight_checker", {"action": "checksum"})) for s in (engine, servers[STEPS])]
-        assert checks[0]["checksums"] == checks[1]["checksums"]
+        assert asyncio.run(checksums(engine.url)) == asyncio.run(checksums(servers[STEPS].url))
 
         asyncio.run(an_update_during_a_batch_is_never_mislabelled(engine.url, publisher, model))
     finally:

@@ -3,8 +3,8 @@
 Each optimizer step (`on_step_end`) the main process publishes the model's weights as step
 `global_step` and returns as soon as they are copied to host memory; `on_train_end` flushes. A run
 that starts from step 0 first publishes the initial weights as step 0 (`on_train_begin`), so
-engines launched from any checkpoint converge to a known policy before the first update. Anchors carry the model's
-config.json and generation_config.json, so they open with `from_pretrained`.
+engines launched from any checkpoint converge to a known policy before the first update. Anchors
+carry the model's config.json and generation_config.json, so they open with `from_pretrained`.
 
 Several ranks (FSDP2, data parallel): every rank publishes its own `model.state_dict()` through a
 sharded Publisher: each uploads what it owns (FSDP2's DTensor shards; one replica of a replicated
