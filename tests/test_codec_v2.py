@@ -195,6 +195,31 @@ def test_the_coverage_patches_hold_every_record_kind() -> None:
     )
 
 
+@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@pytest.mark.parametrize("index", range(len(_coverage_patches())))
+def test_the_kernels_and_numpy_apply_every_coverage_patch_alike(index: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every record kind and coding (RAW values of 2-byte floats batched too): same state, undo log and history."""
+    base, patch, reference = _coverage_patches()[index]
+    outcomes = []
+    for enabled in (True, False):
+        monkeypatch.setattr(fused, "enabled", enabled)
+        work, undo = {n: t.clone() for n, t in base.items()}, UndoLog()
+        history = PatchHistory(hashlib.sha256(patch).hexdigest())
+        apply_patch(work, patch, reference=reference, history=history, undo=undo)
+        outcomes.append((work, undo.changed(), history))
+        undo.rollback(work)
+        assert_states_equal(work, base)
+    (kernel_state, kernel_changed, kernel_history), (numpy_state, numpy_changed, numpy_history) = outcomes
+    assert_states_equal(kernel_state, numpy_state)
+    assert kernel_changed.keys() == numpy_changed.keys()
+    for name, positions in kernel_changed.items():
+        other = numpy_changed[name]
+        assert (positions is None and other is None) or (
+            positions is not None and other is not None and torch.equal(positions, other)
+        )
+    _assert_same_history(kernel_history, numpy_history)
+
+
 @pytest.mark.parametrize("index", range(len(_coverage_patches())))
 def test_any_flipped_byte_is_an_error_and_the_state_rolls_back(kernel: str, index: int) -> None:
     """Corruption anywhere in a format-2 patch: a pulsesync error (never another exception); undo restores the state."""

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pulsesync.codec import bits, fused
+from pulsesync.codec.arenas import ArenaPool
 from pulsesync.codec.format import V2_CODINGS, PositionCoding, RecordHeader, RecordKind, ValueCoding
 from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.parse import (
@@ -41,6 +42,13 @@ from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError, MissingReferenceError
 from pulsesync.threads import default_threads, parallel_map, submit_beside
 
+Logged = torch.Tensor | np.ndarray  # what an undo log entry holds: a tensor, or a CPU kernel's array
+
+
+def _tensor(logged: Logged) -> torch.Tensor:
+    """An undo log entry as a tensor (a CPU kernel's array without a copy)."""
+    return torch.from_numpy(logged) if isinstance(logged, np.ndarray) else logged
+
 
 @dataclass
 class UndoLog:
@@ -50,18 +58,20 @@ class UndoLog:
     state back, bit for bit, if the result does not verify. Also says which positions changed.
     """
 
-    # (name, start, length, chunk-relative positions or None for the whole chunk, old bits)
-    chunks: list[tuple[str, int, int, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    # (name, start, length, chunk-relative positions or None for the whole chunk, old bits); the
+    # compiled kernels log numpy arrays (CPU only), made tensors only if used: a view costs ~2 us.
+    chunks: list[tuple[str, int, int, Logged | None, Logged]] = field(default_factory=list)
     tensors: list[tuple[str, torch.Tensor | None]] = field(default_factory=list)  # old tensor (None: added)
 
     def rollback(self, state: MutableMapping[str, torch.Tensor]) -> None:
         """Restore `state` to what it was before the patch."""
-        for name, start, length, index, old in reversed(self.chunks):
+        for name, start, length, index, logged in reversed(self.chunks):
+            old = _tensor(logged)
             chunk = state[name].view(-1).view(old.dtype).narrow(0, start, length)
             if index is None:
                 chunk.copy_(old)
             else:
-                chunk.index_copy_(0, index, old)
+                chunk.index_copy_(0, _tensor(index), old)
         for name, tensor in reversed(self.tensors):
             if tensor is None:
                 state.pop(name, None)
@@ -76,7 +86,7 @@ class UndoLog:
             if index is None or name in out:
                 out[name] = None
             else:
-                pieces.setdefault(name, []).append((start, index + start))
+                pieces.setdefault(name, []).append((start, _tensor(index) + start))
         for name, parts in pieces.items():
             if name not in out:  # chunks are logged in the order they were applied, not by position
                 out[name] = torch.cat([part for _, part in sorted(parts, key=lambda p: p[0])])
@@ -206,10 +216,9 @@ def _apply_deltas(
         positions = record.positions
         old_values, applied = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
         ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
-        by_class = h.coding == ValueCoding.EXP_PLANES
         target, out = chunk.detach().numpy(), _NO_LANES if lanes is None else lanes
         fused.apply_planes_2byte(
-            target, positions, record.planes, by_class, ref_deltas, old_values, applied, h.start, out
+            target, positions, record.planes, int(h.coding), ref_deltas, old_values, applied, h.start, out
         )
         _log_kernel_chunk(h, positions, old_values, applied, undo, history)
         return
@@ -245,7 +254,7 @@ def _log_kernel_chunk(
 ) -> None:
     """What a fused kernel overwrote into the undo log, and the deltas it applied into the history."""
     if undo is not None:
-        undo.chunks.append((h.name, h.start, h.length, torch.from_numpy(positions), torch.from_numpy(old)))
+        undo.chunks.append((h.name, h.start, h.length, positions, old))
     if history is not None:
         history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas)
 
@@ -463,8 +472,10 @@ def _apply_records(
     return moved, whole_records, rehashed
 
 
+_ARENAS = ArenaPool()
 _BATCH_KINDS = (RecordKind.SPARSE, RecordKind.HISTORY)
-_BATCH_CODINGS = (ValueCoding.DELTA, ValueCoding.PLANES, ValueCoding.EXP_PLANES)  # HISTORY: the last two
+# HISTORY records: the last two only (format.py refuses others)
+_BATCH_CODINGS = (ValueCoding.RAW, ValueCoding.DELTA, ValueCoding.PLANES, ValueCoding.EXP_PLANES)
 
 
 def _batchable(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> bool:
@@ -485,10 +496,11 @@ def _apply_batch(
 ) -> list[tuple[str, tuple[int, int]]]:
     """Apply SPARSE and HISTORY records of 2-byte floats with one compiled call per thread (fused.apply_batch).
 
-    Each thread takes a run of records of about equal work, decompresses their payloads (zstd
-    releases the GIL) and decodes and applies them in one call, every check of the single-record
-    path included. Returns how each record moved its tensor's lanes. On a corrupt record, every
-    record applied (and what the corrupt one wrote) is in `undo` and CorruptPatchError names it.
+    The records are cut into runs of about equal work, a few per thread; a thread takes the next
+    run, decompresses its payloads (zstd releases the GIL) and decodes and applies them in one
+    call, every check of the single-record path included. Returns how each record moved its
+    tensor's lanes. On a corrupt record, every record applied (and what the corrupt one wrote)
+    is in `undo` and CorruptPatchError names it.
     """
     rows: list[tuple[int, ...]] = []
     kept: list[ChunkHistory] = []  # the reference chunks the kernel reads by address stay alive until it is done
@@ -506,9 +518,9 @@ def _apply_batch(
         rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind))
         at += h.raw_len  # decompress_payload checks the payload is exactly that
         out += h.count
-    # One allocation for every output and the payloads: numpy backs arrays of 4 MiB and more with
-    # huge pages, where separate arrays each faulted in 4 KiB pages (~5 ms a step measured here).
-    arena = np.empty(12 * out + at + 8, np.uint8)
+    # One buffer for every output and the payloads, reused once the undo log and history that
+    # refer to it are gone (codec.arenas: fresh pages fault in the kernel's stores).
+    arena = _ARENAS.take(12 * out + at + 8)
     positions, old, deltas = (
         arena[: 8 * out].view(np.int64),
         arena[8 * out : 10 * out].view(np.int16),
@@ -529,7 +541,7 @@ def _apply_batch(
         for index in range(first, stop):
             h, payload = batch[index]
             try:
-                raw = decompress_payload(h, payload, record_where(h))
+                raw = decompress_payload(h, payload)
             except CorruptPatchError as e:  # the rows before it are still applied (and logged)
                 stop, error = index, e
                 break
@@ -545,14 +557,15 @@ def _apply_batch(
     work = table[:, fused.ROW_COUNT] * np.where(table[:, fused.ROW_CODING] == ValueCoding.EXP_PLANES, 2, 1)
     ranges = _balanced(work, threads)
     ends = list(parallel_map(run, ranges, threads if len(ranges) > 1 else 1))
+    moved_lanes = lanes.tolist()
     moved: list[tuple[str, tuple[int, int]]] = []
     for (first, _), (end, done, _) in zip(ranges, ends, strict=True):
         for index in range(first, end + 1 if done else end):  # and what a failing record wrote
-            h, o = batch[index][0], int(table[index, fused.ROW_OUT])
+            h, o = batch[index][0], rows[index][fused.ROW_OUT]
             n = h.count if index < end else done
             _log_kernel_chunk(h, positions[o : o + n], old[o : o + n], deltas[o : o + n], undo, history)
             if incremental:
-                moved.append((h.name, (int(lanes[index, 0]), int(lanes[index, 1]))))
+                moved.append((h.name, (moved_lanes[index][0], moved_lanes[index][1])))
     for _, _, error in ends:
         if error is not None:
             raise error
@@ -580,9 +593,12 @@ def _batch_error(status: int, h: RecordHeader) -> str:
     return bits.kernel_error(status, h.length, h.positions == PositionCoding.GAP_CODES)
 
 
+RANGES_PER_THREAD = 4  # threads take the next range when done: one slow range does not hold the others back
+
+
 def _balanced(counts: np.ndarray, threads: int | None) -> list[tuple[int, int]]:
-    """Consecutive row ranges, one per thread, of about equal total count."""
-    parts = min(len(counts), 1 if threads == 1 else threads or default_threads())
+    """Consecutive row ranges, RANGES_PER_THREAD per thread (one for a single thread), of about equal total count."""
+    parts = min(len(counts), 1 if threads == 1 else RANGES_PER_THREAD * (threads or default_threads()))
     ends = np.cumsum(counts)
     cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right") if parts > 1 else []
     bounds = sorted({0, *map(int, cuts), len(counts)})

@@ -41,6 +41,7 @@ RECORD_CHECKSUM = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
 MAX_NAME_BYTES = 4096
 MAX_NDIM = 32
+_SHAPES = [struct.Struct(f"<{ndim}Q") for ndim in range(MAX_NDIM + 1)]  # a record's shape, by its ndim
 MAX_NUMEL = 1 << 50
 ESCAPE = 0xFFFF  # a u16 gap of this value means "the real gap is in the escape list"
 SMALL_ESCAPE = 3  # a 2-bit value code of this value means "the value is in the escape planes"
@@ -88,9 +89,10 @@ class PositionCoding(enum.IntEnum):
 
 V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
 V2_KINDS = (RecordKind.HISTORY,)
-_KIND_VALUES = frozenset(k.value for k in RecordKind)
-_CODING_VALUES = frozenset(c.value for c in ValueCoding)
-_POSITION_CODING_VALUES = frozenset(c.value for c in PositionCoding)
+# Field values to members: a dict lookup per record, where the enum constructors cost ~1 us each.
+_KINDS = {k.value: k for k in RecordKind}
+_CODINGS = {c.value: c for c in ValueCoding}
+_POSITION_CODINGS = {c.value: c for c in PositionCoding}
 
 
 class PatchHeader(BaseModel):
@@ -262,87 +264,94 @@ def parse_record_header(
         return None
     (magic, kind, dcode, ndim, coding, name_len, *sizes) = fixed_struct.unpack_from(buf, offset)
     position_coding = sizes.pop() if version >= 2 else PositionCoding.GAPS16
-    where = f"record at byte {offset}"
     if magic != RECORD_MAGIC:
-        raise CorruptPatchError(f"{where}: bad record magic (corrupted or misaligned patch)")
+        raise CorruptPatchError(f"record at byte {offset}: bad record magic (corrupted or misaligned patch)")
     if name_len > MAX_NAME_BYTES or ndim > MAX_NDIM:
-        raise CorruptPatchError(f"{where}: name length {name_len} or ndim {ndim} out of range")
+        raise CorruptPatchError(f"record at byte {offset}: name length {name_len} or ndim {ndim} out of range")
     body_end = offset + fixed_struct.size + name_len + 8 * ndim
     if len(buf) < body_end + RECORD_CHECKSUM.size:
         return None
     (checksum,) = RECORD_CHECKSUM.unpack_from(buf, body_end)
     if xxhash.xxh32_intdigest(memoryview(buf)[offset:body_end]) != checksum:
-        raise CorruptPatchError(f"{where}: record header checksum mismatch (corrupted record)")
+        raise CorruptPatchError(f"record at byte {offset}: record header checksum mismatch (corrupted record)")
     # From here on the fields are what the encoder wrote; checks below catch lying encoders.
     name_start = offset + fixed_struct.size
     try:
         name = bytes(buf[name_start : name_start + name_len]).decode("utf-8")
     except UnicodeDecodeError:
-        raise CorruptPatchError(f"{where}: tensor name is not UTF-8") from None
-    shape = struct.unpack_from(f"<{ndim}Q", buf, name_start + name_len)
-    where = f"record for tensor {name!r}"
-    known = kind in _KIND_VALUES and coding in _CODING_VALUES and position_coding in _POSITION_CODING_VALUES
-    if not known or (version == 1 and (kind in V2_KINDS or coding in V2_CODINGS)):
+        raise CorruptPatchError(f"record at byte {offset}: tensor name is not UTF-8") from None
+    shape = _SHAPES[ndim].unpack_from(buf, name_start + name_len)
+    rkind, rcoding, rpositions = _KINDS.get(kind), _CODINGS.get(coding), _POSITION_CODINGS.get(position_coding)
+    if (
+        rkind is None
+        or rcoding is None
+        or rpositions is None
+        or (version == 1 and (kind in V2_KINDS or coding in V2_CODINGS))
+    ):
         raise CorruptPatchError(
-            f"{where}: unknown record kind {kind}, value coding {coding} or position coding {position_coding} "
-            f"(format {version})"
+            f"record for tensor {name!r}: unknown record kind {kind}, value coding {coding} or position coding "
+            f"{position_coding} (format {version})"
         )
-    rkind, rcoding = RecordKind(kind), ValueCoding(coding)
     info = dtype_by_code(dcode)
     if info is None and rkind not in (RecordKind.END, RecordKind.REMOVE):
-        raise CorruptPatchError(f"{where}: unknown dtype code {dcode}")
+        raise CorruptPatchError(f"record for tensor {name!r}: unknown dtype code {dcode}")
     start, length, count, escapes, value_escapes, raw_len, comp_len, hashed, *history = sizes
     ref_count, new_count = history or (0, 0)  # v2 only
     header = RecordHeader(
         rkind, name, info, shape, rcoding, start, length, count, escapes, value_escapes, raw_len, comp_len, hashed,
-        ref_count, new_count, PositionCoding(position_coding),
+        ref_count, new_count, rpositions,
     )  # fmt: skip
-    _check_record(header, where)
+    _check_record(header)
     return header, body_end + RECORD_CHECKSUM.size
 
 
-def _check_record(h: RecordHeader, where: str) -> None:
+def _check_record(h: RecordHeader) -> None:
     """Reject records whose declared sizes disagree with each other."""
     if h.kind in (RecordKind.END, RecordKind.REMOVE):
         if h.raw_len or h.comp_len:
-            raise CorruptPatchError(f"{where}: {h.kind.name} record must carry no payload")
+            raise CorruptPatchError(f"{_label(h)}: {h.kind.name} record must carry no payload")
         return
     numel = h.numel
     if numel > MAX_NUMEL:
-        raise CorruptPatchError(f"{where}: shape {list(h.shape)} has {numel} elements (limit {MAX_NUMEL})")
+        raise CorruptPatchError(f"{_label(h)}: shape {list(h.shape)} has {numel} elements (limit {MAX_NUMEL})")
     if h.kind in (RecordKind.ADD, RecordKind.REPLACE) and (h.start != 0 or h.length != numel or h.coding.packed):
-        raise CorruptPatchError(f"{where}: {h.kind.name} record must hold the whole tensor, raw")
+        raise CorruptPatchError(f"{_label(h)}: {h.kind.name} record must hold the whole tensor, raw")
     if h.start + h.length > numel:
         raise CorruptPatchError(
-            f"{where}: chunk [{h.start}, {h.start + h.length}) is outside the tensor of {numel} elements"
+            f"{_label(h)}: chunk [{h.start}, {h.start + h.length}) is outside the tensor of {numel} elements"
         )
     sparse = h.kind in (RecordKind.SPARSE, RecordKind.HISTORY)
     # GAP_CODES: at most MAX_GAP_BITS - 3 extra bits per gap; GAPS16: at most one escape per gap
     escapes_per_gap = (MAX_GAP_BITS - 3 + 7) // 8 if h.positions == PositionCoding.GAP_CODES else 1
     if sparse and not (0 < h.count <= h.length and h.escapes <= escapes_per_gap * h.count):
         raise CorruptPatchError(
-            f"{where}: {h.count} changed elements / {h.escapes} escapes do not fit a chunk of {h.length}"
+            f"{_label(h)}: {h.count} changed elements / {h.escapes} escapes do not fit a chunk of {h.length}"
         )
     if h.positions != PositionCoding.GAPS16 and not sparse:
-        raise CorruptPatchError(f"{where}: a {h.kind.name} record has no positions to code")
+        raise CorruptPatchError(f"{_label(h)}: a {h.kind.name} record has no positions to code")
     if h.kind == RecordKind.HISTORY:
         counts_fit = h.escapes <= escapes_per_gap * h.new_count and h.new_count <= h.count <= h.new_count + h.ref_count
         if h.coding not in V2_CODINGS or not counts_fit:
             raise CorruptPatchError(
-                f"{where}: HISTORY record with coding {h.coding.name}, {h.count} changed, "
+                f"{_label(h)}: HISTORY record with coding {h.coding.name}, {h.count} changed, "
                 f"{h.new_count} new, {h.ref_count} reference positions, {h.escapes} escapes is inconsistent"
             )
         if h.ref_count > h.length:
-            raise CorruptPatchError(f"{where}: {h.ref_count} reference positions in a chunk of {h.length}")
+            raise CorruptPatchError(f"{_label(h)}: {h.ref_count} reference positions in a chunk of {h.length}")
     elif h.ref_count or h.new_count:
-        raise CorruptPatchError(f"{where}: only HISTORY records carry reference counts")
+        raise CorruptPatchError(f"{_label(h)}: only HISTORY records carry reference counts")
     if h.coding == ValueCoding.EXP_PLANES and not (h.info.is_float and h.info.width >= 2):
-        raise CorruptPatchError(f"{where}: EXP_PLANES coding for dtype {h.info.name} (floats of 2+ bytes only)")
+        raise CorruptPatchError(f"{_label(h)}: EXP_PLANES coding for dtype {h.info.name} (floats of 2+ bytes only)")
     coded = h.count if h.kind in (RecordKind.SPARSE, RecordKind.HISTORY) else h.length
     if h.value_escapes > (coded if h.coding.packed else 0):
-        raise CorruptPatchError(f"{where}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")
+        raise CorruptPatchError(f"{_label(h)}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")
     expected = raw_len_for(h)
     if h.raw_len != expected:
-        raise CorruptPatchError(f"{where}: declares {h.raw_len} decoded bytes, its fields imply {expected}")
+        raise CorruptPatchError(f"{_label(h)}: declares {h.raw_len} decoded bytes, its fields imply {expected}")
     if (h.comp_len == 0) != (h.raw_len == 0):
-        raise CorruptPatchError(f"{where}: compressed size {h.comp_len} for {h.raw_len} decoded bytes")
+        raise CorruptPatchError(f"{_label(h)}: compressed size {h.comp_len} for {h.raw_len} decoded bytes")
+
+
+def _label(h: RecordHeader) -> str:
+    """How _check_record's errors name a record (built only when one is raised)."""
+    return f"record for tensor {h.name!r}"

@@ -348,23 +348,25 @@ def _apply_planes_2byte(
     chunk: Any,
     positions: Any,
     planes: Any,
-    by_class: bool,
+    coding: int,
     ref_deltas: Any,
     old_out: Any,
     deltas_out: Any,
     first: int,
     lanes: Any,
 ) -> None:
-    """Format 2's PLANES/EXP_PLANES values of a 2-byte float chunk: chunk[p_i] += delta_i in value order.
+    """Byte-plane values of a 2-byte float chunk (ValueCoding `coding`): chunk[p_i] += delta_i in value order.
 
-    delta_i = unzigzag of the two byte planes, taken in magnitude-class order of the old values
-    where `by_class` (EXP_PLANES: a counting sort, stable, as bits.magnitude_order; the old
-    values are gathered first), plus ref_deltas[i] when given (HISTORY records; empty
-    otherwise). Old values go to old_out (undo log), deltas in position order to deltas_out (the
+    PLANES: delta_i = unzigzag of the two byte planes; EXP_PLANES: the same, taken in
+    magnitude-class order of the old values (a counting sort, stable, as bits.magnitude_order;
+    the old values are gathered first); RAW: the planes hold the new bits, delta_i is how far
+    they are from the old ones in value order. Plus ref_deltas[i] when given (HISTORY records;
+    empty otherwise). Old values go to old_out (undo log), deltas in position order to deltas_out (the
     subscriber's history); the digest's lane sums change as in apply_delta_2byte.
     """
     n = positions.size
     next_in_class = np.zeros(257, np.int64)
+    by_class, raw = coding == _EXP_PLANES, coding == _RAW
     if by_class:
         for i in range(n):
             if i + AHEAD < n:
@@ -378,18 +380,28 @@ def _apply_planes_2byte(
         if i + AHEAD < n:
             _prefetch(chunk, positions[i + AHEAD])
         p = positions[i]
-        old = chunk[p]
         j = i
-        if by_class:
+        if by_class:  # the old value was gathered above: not read again
+            old = old_out[i]
             c = (np.int32(old) >> 7) & 0xFF
             j = next_in_class[c]
             next_in_class[c] += 1
+        else:
+            old = chunk[p]
         z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
-        delta = (z >> 1) ^ -(z & 1)
+        if raw:  # new bits: how far they are from the old ones in value order (as bits.to_ordered_)
+            new, was = np.int32(np.int16(z)), np.int32(old)
+            delta = (new ^ ((new >> 15) & 0x7FFF)) - (was ^ ((was >> 15) & 0x7FFF))
+        else:
+            delta = (z >> 1) ^ -(z & 1)
         if ref_deltas.size:
             delta += np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
-        _write(chunk, p, delta, i, old_out, new_bits)
+        new = _add_ordered(np.int32(old), delta)
+        chunk[p] = new
+        old_out[i] = old
+        if new_bits.size:
+            new_bits[i] = new
         deltas_out[i] = delta
     _add_lanes_of(lanes, positions, old_out, new_bits, first)
 
@@ -426,7 +438,7 @@ def _merge_history(
     ROW_ESCAPES,  # escaped gaps (GAPS16: u64 each) or extra-bit bytes (GAP_CODES)
     ROW_VALUE_ESCAPES,  # escaped values (packed DELTA codes)
     ROW_POSITIONS,  # PositionCoding
-    ROW_CODING,  # ValueCoding: DELTA (SPARSE only), PLANES or EXP_PLANES
+    ROW_CODING,  # ValueCoding: RAW or DELTA (SPARSE only), PLANES or EXP_PLANES
     ROW_FIRST,  # flat index of the chunk's first element (the digest's)
     ROW_OUT,  # offset of its positions, old values and deltas in the output arrays
     ROW_NEW_COUNT,  # HISTORY: positions coded as gaps (SPARSE: ROW_COUNT)
@@ -439,15 +451,36 @@ ROW_COLUMNS = 15
 HISTORY_BITMAP_MISMATCH = 6  # the reference bitmap does not mark count - new_count positions (padding: zero)
 HISTORY_REPEATS = 7  # a new position repeats one of the reference's
 _GAP_CODES = int(PositionCoding.GAP_CODES)  # (numba compares plain ints)
-_DELTA, _EXP_PLANES = int(ValueCoding.DELTA), int(ValueCoding.EXP_PLANES)
+_RAW, _DELTA, _EXP_PLANES = int(ValueCoding.RAW), int(ValueCoding.DELTA), int(ValueCoding.EXP_PLANES)
 _HISTORY = int(RecordKind.HISTORY)
+
+
+def _padded_gap_codes(payloads: Any, at: int, n: int, escapes: int, length: int, out: Any) -> int:
+    """_decode_gap_codes of n codes at payloads[at:] (then their extra bits), with _gap_at's branch-free reads.
+
+    1.7x faster here (2.8 ms a million, the check included). The codes are checked first, so the
+    extra bits read end inside the record; payloads is padded past its last record, so the
+    five-byte reads stay inside it.
+    """
+    status: int = _check_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes])
+    if status != POSITIONS_OK:
+        return status
+    bit = np.int64(8 * (at + n))
+    p = np.int64(-1)
+    for i in range(n):
+        gap, bit = _gap_at(np.int64(payloads[at + i]), payloads, bit)
+        p += gap + 1
+        if p >= length:
+            return POSITIONS_OUTSIDE
+        out[i] = p
+    return POSITIONS_OK
 
 
 def _row_positions(payloads: Any, at: int, n: int, escapes: int, gap_codes: bool, length: int, out: Any) -> int:
     """Decode n positions coded at payloads[at:] into out (each checked inside a chunk of `length`); a status."""
     status: int
     if gap_codes:
-        status = _decode_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes], length, out)
+        status = _padded_gap_codes(payloads, at, n, escapes, length, out)
         return status
     escaped = np.empty(escapes, np.uint64)
     for k in range(escapes):
@@ -508,7 +541,7 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
         at, n, escapes, out = row[ROW_PAYLOAD], row[ROW_COUNT], row[ROW_ESCAPES], row[ROW_OUT]
         coding, first, gap_codes = row[ROW_CODING], row[ROW_FIRST], row[ROW_POSITIONS] == _GAP_CODES
         found, row_old, row_deltas = positions[out : out + n], old[out : out + n], deltas[out : out + n]
-        row_lanes, by_class = lanes[r], coding == _EXP_PLANES
+        row_lanes = lanes[r]
         if row[ROW_KIND] == _HISTORY:
             ref_deltas = np.empty(n, np.int16)
             status = _history_positions(payloads, at, row, np.empty(row[ROW_NEW_COUNT], np.int64), found, ref_deltas)
@@ -516,7 +549,7 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
                 return r, status, 0
             planes_at = at + (row[ROW_REF_COUNT] + 7) // 8 + _positions_len(row[ROW_NEW_COUNT], escapes, gap_codes)
             planes = payloads[planes_at : planes_at + 2 * n]
-            _apply_planes_k(chunk, found, planes, by_class, ref_deltas, row_old, row_deltas, first, row_lanes)
+            _apply_planes_k(chunk, found, planes, coding, ref_deltas, row_old, row_deltas, first, row_lanes)
             continue
         values_at = at + _positions_len(n, escapes, gap_codes)
         if coding != _DELTA:
@@ -524,7 +557,7 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
             if status != POSITIONS_OK:
                 return r, status, 0
             planes = payloads[values_at : values_at + 2 * n]
-            _apply_planes_k(chunk, found, planes, by_class, _EMPTY_REF, row_old, row_deltas, first, row_lanes)
+            _apply_planes_k(chunk, found, planes, coding, _EMPTY_REF, row_old, row_deltas, first, row_lanes)
             continue
         if gap_codes:
             status = _check_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes])
@@ -578,7 +611,6 @@ merge_history: Callable[..., bool] | None = _njit(_merge_history) if _njit else 
 # The batch kernel calls the others compiled (numba resolves these globals when it compiles it).
 _k: Any = _njit or (lambda f: None)
 _decode_positions_k: Any = decode_positions
-_decode_gap_codes_k: Any = decode_gap_codes
 _count_escape_codes_k: Any = count_escape_codes
 _apply_delta_k: Any = apply_delta_2byte
 _apply_planes_k: Any = apply_planes_2byte
@@ -587,6 +619,7 @@ _check_gap_codes_k: Any = _check_gap_codes
 _apply_delta_gap_codes_k: Any = _k(_apply_delta_gap_codes)
 _carray: Any = numba.carray if numba is not None else None  # type: ignore[attr-defined]
 if numba is not None:
+    _padded_gap_codes = numba.njit(boundscheck=False)(_padded_gap_codes)
     _row_positions = numba.njit(boundscheck=False)(_row_positions)
     _history_positions = numba.njit(boundscheck=False)(_history_positions)
     _positions_len = numba.njit(inline="always")(_positions_len)
@@ -609,7 +642,7 @@ def warm_up() -> None:
     chunk, old, deltas = np.zeros(1, np.int16), np.empty(1, np.int16), np.empty(1, np.int16)
     for lanes in (np.zeros(2, np.uint64), np.zeros(0, np.uint64)):
         apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
-        apply_planes_2byte(chunk, positions, planes, True, np.empty(0, np.int16), old, deltas, 0, lanes)
+        apply_planes_2byte(chunk, positions, planes, _EXP_PLANES, np.empty(0, np.int16), old, deltas, 0, lanes)
     merge_history(positions, deltas, np.ones(1, bool), positions[:0], positions.copy(), deltas.copy())
     for columns in (2, 0):  # its payloads are a writable arena (codec.apply._apply_batch), not a read-only view
         table = np.zeros((0, ROW_COLUMNS), np.int64)

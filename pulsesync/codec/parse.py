@@ -79,7 +79,7 @@ def decode_record(
         empty = np.empty(0, NP_INT_OF_WIDTH[h.info.width]) if h.kind in (RecordKind.ADD, RecordKind.REPLACE) else None
         return PatchRecord(h, None, empty)
     where = record_where(h)
-    buf = np.frombuffer(decompress_payload(h, payload, where), np.uint8)
+    buf = np.frombuffer(decompress_payload(h, payload), np.uint8)
     if h.kind == RecordKind.HISTORY:
         return _decode_history(buf, h, reference, where)
     if h.kind != RecordKind.SPARSE:
@@ -102,17 +102,17 @@ def record_where(h: RecordHeader) -> str:
     return f"record for tensor {h.name!r} at element {h.start}"
 
 
-def decompress_payload(h: RecordHeader, payload: bytes | memoryview, where: str) -> bytes:
+def decompress_payload(h: RecordHeader, payload: bytes | memoryview) -> bytes:
     """A record's payload decompressed: exactly the raw_len bytes its header declares, or CorruptPatchError."""
     try:
         declared = zstandard.frame_content_size(payload)
         if declared != h.raw_len:
-            raise CorruptPatchError(f"{where}: zstd frame declares {declared} bytes, record {h.raw_len}")
+            raise CorruptPatchError(f"{record_where(h)}: zstd frame declares {declared} bytes, record {h.raw_len}")
         raw = _decompressor().decompress(payload, max_output_size=h.raw_len)
     except zstandard.ZstdError as e:
-        raise CorruptPatchError(f"{where}: payload does not decompress ({e})") from None
+        raise CorruptPatchError(f"{record_where(h)}: payload does not decompress ({e})") from None
     if len(raw) != h.raw_len:
-        raise CorruptPatchError(f"{where}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
+        raise CorruptPatchError(f"{record_where(h)}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
     return raw
 
 
