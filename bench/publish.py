@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -62,6 +63,7 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
     buffers = {n: torch.empty_like(t) for n, t in states[0].items()}
     key = Ed25519PrivateKey.generate()
     copies, latencies = [], []
+    os.sync()  # what an earlier benchmark wrote is written back now, not during the pairs (CI: bench/store.py's)
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-") as tmp:
         store = FileStore(tmp)
         config = PublisherConfig(anchor_interval=anchor_interval)
@@ -114,18 +116,18 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="31M parameters, 12 steps")
+    parser.add_argument("--quick", action="store_true", help="31M parameters, 20 steps")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--hidden", type=int, help="model width (default 768; quick 512)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 2)")
-    parser.add_argument("--steps", type=int, help="published steps (default 16; quick 12)")
+    parser.add_argument("--steps", type=int, help="published steps (default 16; quick 20)")
     parser.add_argument("--interval", type=float, help="trainer seconds between publishes (default 2.0; quick 0.5)")
     parser.add_argument("--anchor-interval", type=int, default=50)
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 768)
     layers = args.layers or (2 if args.quick else 8)
-    steps = args.steps or (12 if args.quick else 16)
+    steps = args.steps or (20 if args.quick else 16)
     interval = args.interval if args.interval is not None else (0.5 if args.quick else 2.0)
     r = run(hidden, layers, steps, interval, args.anchor_interval)
     print(f"{r['parameters'] / 1e6:.0f}M parameters bf16 ({r['dense_bytes'] / 1e6:.0f} MB), {steps} steps")
