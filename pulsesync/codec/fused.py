@@ -380,14 +380,12 @@ def _apply_planes_2byte(
         if i + AHEAD < n:
             _prefetch(chunk, positions[i + AHEAD])
         p = positions[i]
+        old = chunk[p]
         j = i
-        if by_class:  # the old value was gathered above: not read again
-            old = old_out[i]
+        if by_class:
             c = (np.int32(old) >> 7) & 0xFF
             j = next_in_class[c]
             next_in_class[c] += 1
-        else:
-            old = chunk[p]
         z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
         if raw:  # new bits: how far they are from the old ones in value order (as bits.to_ordered_)
             new, was = np.int32(np.int16(z)), np.int32(old)
@@ -397,11 +395,7 @@ def _apply_planes_2byte(
         if ref_deltas.size:
             delta += np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
-        new = _add_ordered(np.int32(old), delta)
-        chunk[p] = new
-        old_out[i] = old
-        if new_bits.size:
-            new_bits[i] = new
+        _write(chunk, p, delta, i, old_out, new_bits)
         deltas_out[i] = delta
     _add_lanes_of(lanes, positions, old_out, new_bits, first)
 
