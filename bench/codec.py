@@ -12,7 +12,8 @@ the bytes go: positions, values and framing (headers, zstd frame overhead), exac
 step's ratio, density and split from the first optimizer step on at lr 1e-6, 3e-6 and 1e-5.
 Then a real causal LLM (bench/real_llm.py: SmolLM2-135M fine-tuned with AdamW at lr 1e-6 on
 English text) is coded step by step as a publisher codes it: `real_llm_ratio_vs_pulse` is its
-worst step's ratio to PULSE's default.
+worst step's ratio to PULSE's default. Contract (exit 1 when broken): that worst step is at least
+2.5x (issue 28; deterministic: the same bytes every run on one machine).
 
     python bench/codec.py                     # full run (145M parameters), prints a table
     python bench/codec.py --quick --json out.json   # < 60 s on 2 cores; the automation contract
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import real_llm  # bench/real_llm.py (this script's folder is on sys.path)
 import torch
+from contracts import Contract, enforce
 
 from pulsesync.codec import CodecParams, PatchHistory, apply_patch, encode
 from pulsesync.codec.baseline import pulse_apply, pulse_encode, pulse_wire
@@ -416,6 +418,8 @@ def main() -> None:
 
         print("\n".join(str(p) for p in plots.codec(doc, args.plots)))
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
+    if llm is not None:
+        enforce([Contract("real LLM: worst step / PULSE's default", llm["worst_ratio_vs_pulse"], 2.5, at_most=False)])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ encoding of the same steps, and reports the statistics that drive the codec (den
 recurrence).
 
     python bench/real_llm.py --steps 6 --json out.json   # ~1 minute on 2 cores
-    python bench/real_llm.py --steps 4 --leads           # and the entropies of codings not in format 2 yet
+    python bench/real_llm.py --steps 4 --leads           # and order-0 entropies of codings (and leads)
     python bench/real_llm.py --workload grpo --steps 6   # an RL update: TRL's GRPOTrainer (issue 31)
 """
 
@@ -193,11 +193,12 @@ def step_statistics(before: State, old: State, new: State) -> dict[str, float]:
 
 
 def coding_leads(states: list[State], step: int) -> dict[str, float]:
-    """Bits per change a step would cost under codings not in format 2 yet (order-0 entropies; docs/benchmarks.md).
+    """Bits per change a step's order-0 entropies say a coding could reach (docs/benchmarks.md).
 
-    Positions as one bitmap per magnitude class of the old value; values given the class, given the
-    old bits; and a HISTORY residual against the previous step's delta in ordered integers (today's)
-    or in float space (new = old + (old - previous) in fp32, rounded to bf16).
+    Positions as one bitmap per magnitude class of the old value (format 2 has it since: CLASS_MASKS);
+    values given the class, given the old bits; and a HISTORY residual against the previous step's
+    delta in ordered integers (today's) or in float space (new = old + (old - previous) in fp32,
+    rounded to bf16: not in format 2).
     """
     from codec import entropy_bits, ordered  # bench/codec.py (which imports this module at its top)
 
@@ -298,7 +299,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (patches: steps - 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--leads", action="store_true", help="also the entropies of codings not in format 2 yet")
+    parser.add_argument("--leads", action="store_true", help="also order-0 entropies of codings (and leads)")
     parser.add_argument(
         "--workload", choices=sorted(WORKLOADS), default="sft", help="supervised fine-tune, or GRPO (needs trl)"
     )

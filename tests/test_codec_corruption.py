@@ -231,7 +231,7 @@ def _one_record_patch(
     h = RecordHeader(kind, "sparse", BF16, (3000,), coding, 0, 1024, count, 0, 0, raw, comp, payload_hash(payload))
     h = dataclasses.replace(h, **fields)
     assert raw_len_for(h) == raw
-    digest = "mixsum-128" if h.positions == PositionCoding.GAP_CODES else "xxh3-128"
+    digest = "mixsum-128" if h.positions != PositionCoding.GAPS16 else "xxh3-128"
     header = PatchHeader(
         value_coding="adaptive" if digest == "mixsum-128" else "delta",
         zstd_level=1,
@@ -351,6 +351,83 @@ def test_history_records_that_contradict_their_reference_are_refused_with_one_me
         apply_patch(work, patch, reference=reference)
     changed = torch.nonzero(work["sparse"].view(torch.int16) != base["sparse"].view(torch.int16)).flatten()
     assert changed.tolist() == [10, 30]
+
+
+def _class_masks_patch(base: dict, table: np.ndarray, bitmap: bytes, count: int) -> bytes:
+    """A hand-made SPARSE record for 'sparse' with CLASS_MASKS positions (any table and bitmap), every delta -1."""
+    payload_raw = table.astype(np.uint8).tobytes() + bitmap + np.zeros((count + 3) // 4, np.uint8).tobytes()
+    fields = {"escapes": len(bitmap), "positions": PositionCoding.CLASS_MASKS}
+    return _one_record_patch(base, RecordKind.SPARSE, ValueCoding.DELTA, payload_raw, count, **fields)
+
+
+@BOTH_KERNELS
+def test_class_masks_that_contradict_the_chunk_are_refused_and_nothing_is_written(
+    pair, kernels: bool, monkeypatch
+) -> None:
+    """The class table, the bitmap of the marked classes' elements and the count must agree with the old values."""
+    base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
+    classes = (base["sparse"].view(torch.int16)[:1024].numpy().astype(np.int32) >> 7) & 0xFF
+    every, marked = int(classes[0]), int(classes[1])
+    assert every != marked
+    in_every, in_marked = int((classes == every).sum()), int((classes == marked).sum())
+    table = np.zeros(256, np.uint8)
+    table[every], table[marked] = 1, 2
+    first_only = np.packbits(np.arange(in_marked) == 0, bitorder="little").tobytes()  # the marked class's first
+    padded = bytes([*first_only[:-1], first_only[-1] | 0x80]) if in_marked % 8 else first_only + b"\x01"
+    bad_table = table.copy()
+    bad_table[7] = 3
+    for table_, bitmap, count, match in [
+        (bad_table, first_only, in_every + 1, "a class-masks table entry is above 2"),
+        (table, first_only, in_every + 2, "the class masks do not mark the record.s count of positions"),
+        (table, first_only, in_every, "the class masks do not mark the record.s count of positions"),
+        (table, first_only + b"\x00", in_every + 1, "the class-masks bitmap does not match"),  # one byte too many
+        (table, padded, in_every + 1, "the class-masks bitmap does not match"),  # a padding bit set, or a byte too many
+    ]:
+        work = clone_state(base)
+        with pytest.raises(CorruptPatchError, match=f"'sparse' at element 0: {match}"):
+            apply_patch(work, _class_masks_patch(base, table_, bitmap, count))
+        assert_states_equal(work, base)
+    work = clone_state(base)  # consistent: applied (every element of one class, the first of the other)
+    with pytest.raises(IntegrityError, match="promises"):  # its state digest is deliberately wrong
+        apply_patch(work, _class_masks_patch(base, table, first_only, in_every + 1))
+    changed = torch.nonzero(work["sparse"].view(torch.int16) != base["sparse"].view(torch.int16)).flatten()
+    expected = [*np.flatnonzero(classes == every).tolist(), int(np.flatnonzero(classes == marked)[0])]
+    assert changed.tolist() == sorted(expected)
+
+
+@BOTH_KERNELS
+def test_value_codes_that_do_not_match_their_stream_are_refused(pair, kernels: bool, monkeypatch) -> None:
+    base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
+    codes, extra = encode_gap_codes(np.array([0, 10], np.int64))
+    gap_codes = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES}
+
+    def patch(symbols: bytes, value_extra: bytes) -> bytes:
+        payload_raw = codes.tobytes() + extra + symbols + value_extra
+        fields = {**gap_codes, "value_escapes": len(value_extra)}
+        return _one_record_patch(base, RecordKind.SPARSE, ValueCoding.EXP_CODES, payload_raw, 2, **fields)
+
+    big = 2 * (8 + 4 * (10 - 4) + 1)  # |v| of 10 bits: 7 extra bits
+    for symbols, value_extra, match in [
+        (bytes([255, 2]), b"", "a value code is above 247"),
+        (bytes([big, 2]), b"", "the extra-bits stream does not match the value codes"),  # its 7 bits missing
+        (bytes([big, 2]), b"\x80", "the extra-bits stream does not match the value codes"),  # a padding bit set
+        (bytes([2, 2]), b"\x00", "the extra-bits stream does not match the value codes"),  # a byte too many
+    ]:
+        work = clone_state(base)
+        with pytest.raises(CorruptPatchError, match=f"'sparse' at element 0: {match}"):
+            apply_patch(work, patch(symbols, value_extra))
+        assert_states_equal(work, base)
+    work = clone_state(base)  # consistent: +1 and -645 ordered steps, in class order, folded by the old signs
+    with pytest.raises(IntegrityError, match="promises"):
+        apply_patch(work, patch(bytes([2, big + 1]), b"\x05"))
+    old = base["sparse"].view(torch.int16)[[0, 10]].numpy().astype(np.int32)
+    new = work["sparse"].view(torch.int16)[[0, 10]].numpy().astype(np.int32)
+    ordered = [np.where(x < 0, x ^ 0x7FFF, x) for x in (old, new)]
+    moves = (ordered[1] - ordered[0]) * np.where(old < 0, -1, 1)
+    in_class_order = moves[np.argsort((old >> 7) & 0xFF, kind="stable")]
+    assert in_class_order.tolist() == [1, -((4 + 1) << 7 | 5)]
 
 
 def test_wrong_base_is_refused_before_writing(pair, patch) -> None:

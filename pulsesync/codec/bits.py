@@ -10,7 +10,17 @@ import numpy as np
 import torch
 
 from pulsesync.codec import fused
-from pulsesync.codec.format import ESCAPE, GAP_DIRECT, MAX_GAP_CODE, SMALL_ESCAPE, ValueCoding
+from pulsesync.codec.format import (
+    CLASS_ALL,
+    CLASS_MARKED,
+    CLASS_NONE,
+    CLASSES,
+    ESCAPE,
+    GAP_DIRECT,
+    MAX_GAP_CODE,
+    SMALL_ESCAPE,
+    ValueCoding,
+)
 from pulsesync.dtypes import NP_INT_OF_WIDTH, NP_UINT_OF_WIDTH, DTypeInfo
 from pulsesync.errors import CorruptPatchError
 
@@ -282,22 +292,16 @@ GAP_EXTRA_BITS, GAP_BASE = _gap_code_tables()
 _EXTRA_BYTES_SPANNED = 5  # MAX_GAP_BITS - 3 extra bits at a bit offset of up to 7 (the decoder's window)
 
 
-def encode_gap_codes(positions: np.ndarray) -> tuple[np.ndarray, bytes]:
-    """Sorted, distinct chunk-relative positions -> (one u8 code per gap, the extra-bits stream).
+def _encode_length_codes(values: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """Non-negative int64 values below 2**32 -> (one u8 GAP_CODES code each, the extra-bits stream) (numpy).
 
-    The codes carry each gap's bit length and top bits (what zstd's Huffman stage can model); the
-    low bits, close to uniform, are packed LSB first with no byte alignment (format.GAP_DIRECT).
-    One pass of numba's kernel where installed, else numpy (the same bytes).
+    The codes carry each value's bit length and top bits (what zstd's Huffman stage can model);
+    the low bits, close to uniform, are packed LSB first with no byte alignment (format.GAP_DIRECT).
     """
-    if fused.enabled and fused.encode_gap_codes is not None:
-        codes, extra_bytes = np.empty(positions.size, np.uint8), np.empty(4 * positions.size + 1, np.uint8)
-        used = fused.encode_gap_codes(positions, codes, extra_bytes)
-        return codes, extra_bytes[:used].tobytes()
-    gaps = np.diff(positions, prepend=-1) - 1
-    bit_length = np.frexp(gaps.astype(np.float64))[1].astype(np.int64)  # exact below 2**53
+    bit_length = np.frexp(values.astype(np.float64))[1].astype(np.int64)  # exact below 2**53
     extra = np.maximum(bit_length - 3, 0)
-    codes = np.where(gaps >= GAP_DIRECT, GAP_DIRECT + 4 * (bit_length - 4) + ((gaps >> extra) & 3), gaps)
-    low = gaps & ((np.int64(1) << extra) - 1)
+    codes = np.where(values >= GAP_DIRECT, GAP_DIRECT + 4 * (bit_length - 4) + ((values >> extra) & 3), values)
+    low = values & ((np.int64(1) << extra) - 1)
     ends = np.cumsum(extra)
     if not ends.size or not ends[-1]:
         return codes.astype(np.uint8), b""
@@ -314,8 +318,41 @@ def encode_gap_codes(positions: np.ndarray) -> tuple[np.ndarray, bytes]:
     return codes.astype(np.uint8), words.view(np.uint8)[: (int(ends[-1]) + 7) // 8].tobytes()
 
 
+def encode_gap_codes(positions: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """Sorted, distinct chunk-relative positions -> their gaps' GAP_CODES (codes, extra-bits stream).
+
+    One pass of numba's kernel where installed, else numpy (the same bytes).
+    """
+    if fused.enabled and fused.encode_gap_codes is not None:
+        codes, extra_bytes = np.empty(positions.size, np.uint8), np.empty(4 * positions.size + 1, np.uint8)
+        used = fused.encode_gap_codes(positions, codes, extra_bytes)
+        return codes, extra_bytes[:used].tobytes()
+    return _encode_length_codes(np.diff(positions, prepend=-1) - 1)
+
+
 _GAP_CODE_INVALID = f"a position gap code is above {MAX_GAP_CODE}"
 _GAP_EXTRA_MISMATCH = "the extra-bits stream does not match the gap codes"
+_VALUE_CODE_INVALID = f"a value code is above {2 * MAX_GAP_CODE + 1}"
+_VALUE_EXTRA_MISMATCH = "the extra-bits stream does not match the value codes"
+
+
+def _decode_length_codes(codes: np.ndarray, extra: np.ndarray, invalid: str, mismatch: str) -> np.ndarray:
+    """Inverse of encode_length_codes (numpy), checking every code and the stream's size and padding."""
+    if codes.size and int(codes.max()) > MAX_GAP_CODE:
+        raise CorruptPatchError(invalid)
+    nbits = GAP_EXTRA_BITS[codes]
+    ends = np.cumsum(nbits)
+    total = int(ends[-1]) if ends.size else 0
+    if (total + 7) // 8 != extra.size or (total % 8 and int(extra[-1]) >> (total % 8)):
+        raise CorruptPatchError(mismatch)
+    offsets = ends - nbits
+    padded = np.concatenate([extra, np.zeros(_EXTRA_BYTES_SPANNED, np.uint8)]).astype(np.int64)
+    byte = offsets >> 3
+    window = padded[byte]
+    for j in range(1, _EXTRA_BYTES_SPANNED):
+        window |= padded[byte + j] << (8 * j)
+    values: np.ndarray = GAP_BASE[codes] + ((window >> (offsets & 7)) & ((np.int64(1) << nbits) - 1))
+    return values
 
 
 def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: int, where: str) -> np.ndarray:
@@ -328,20 +365,10 @@ def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: i
         if status != fused.POSITIONS_OK:
             raise CorruptPatchError(f"{where}: {kernel_error(status, length, gap_codes=True)}")
         return positions
-    if codes.size and int(codes.max()) > MAX_GAP_CODE:
-        raise CorruptPatchError(f"{where}: {_GAP_CODE_INVALID}")
-    nbits = GAP_EXTRA_BITS[codes]
-    ends = np.cumsum(nbits)
-    total = int(ends[-1]) if ends.size else 0
-    if (total + 7) // 8 != extra.size or (total % 8 and int(extra[-1]) >> (total % 8)):
-        raise CorruptPatchError(f"{where}: {_GAP_EXTRA_MISMATCH}")
-    offsets = ends - nbits
-    padded = np.concatenate([extra, np.zeros(_EXTRA_BYTES_SPANNED, np.uint8)]).astype(np.int64)
-    byte = offsets >> 3
-    window = padded[byte]
-    for j in range(1, _EXTRA_BYTES_SPANNED):
-        window |= padded[byte + j] << (8 * j)
-    gaps = GAP_BASE[codes] + ((window >> (offsets & 7)) & ((np.int64(1) << nbits) - 1))
+    try:
+        gaps = _decode_length_codes(codes, extra, _GAP_CODE_INVALID, _GAP_EXTRA_MISMATCH)
+    except CorruptPatchError as e:
+        raise CorruptPatchError(f"{where}: {e}") from None
     # Every gap is below 2**32 and there are at most 2**30: the cumulative sum cannot overflow.
     gaps += 1
     positions = np.cumsum(gaps, out=gaps)
@@ -351,8 +378,104 @@ def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: i
     return positions
 
 
+def encode_value_codes(values: np.ndarray, old: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """EXP_CODES of signed 2-byte values: each negated where `old` is negative (fold_by_sign), taken in `order`,
+    as symbols (2 * the GAP_CODES code of |v| + (v < 0)) and |v|'s extra bits. One numba pass where installed."""
+    if fused.enabled and fused.encode_value_codes is not None:
+        symbols, extra_bytes = np.empty(order.size, np.uint8), np.empty(2 * order.size + 1, np.uint8)
+        used = fused.encode_value_codes(values, old, order, symbols, extra_bytes)
+        return symbols, extra_bytes[:used].tobytes()
+    signed = fold_by_sign(values, old)[order].astype(np.int64)
+    codes, extra = _encode_length_codes(np.abs(signed))
+    codes <<= np.uint8(1)
+    codes |= (signed < 0).view(np.uint8)
+    return codes, extra
+
+
+def decode_value_codes(symbols: np.ndarray, extra: np.ndarray, where: str) -> np.ndarray:
+    """Inverse of encode_value_codes, as int16 (wrapping), checking every symbol and the stream's size and padding."""
+    try:
+        magnitudes = _decode_length_codes(symbols >> 1, extra, _VALUE_CODE_INVALID, _VALUE_EXTRA_MISMATCH)
+    except CorruptPatchError as e:
+        raise CorruptPatchError(f"{where}: {e}") from None
+    signed = np.where(symbols & 1, -magnitudes, magnitudes)
+    return signed.astype(np.int16)  # modulo 2**16
+
+
+def fold_by_sign(values: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Each value negated (wrapping) where the old value at its place is negative: its own inverse.
+
+    An AdamW step moves a near-zero weight by about the learning rate in the direction it moved
+    the step before, which puts it on the side of zero it moved to: EXP_CODES's sign then repeats.
+    """
+    folded: np.ndarray = np.where(old < 0, -values, values).astype(values.dtype)
+    return folded
+
+
+_CLASS_TABLE_INVALID = f"a class-masks table entry is above {CLASS_MARKED}"
+_CLASS_BITMAP_MISMATCH = "the class-masks bitmap does not match the chunk's marked classes"
+_CLASS_COUNT_MISMATCH = "the class masks do not mark the record's count of positions"
+
+
+def encode_class_masks(old: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """CLASS_MASKS of a chunk's changed positions: the class table and the bitmap of the marked classes' elements."""
+    classes = magnitude_class(old)
+    total = np.bincount(classes, minlength=CLASSES)
+    changed = np.bincount(classes[positions], minlength=CLASSES)
+    table = np.where(changed == 0, CLASS_NONE, np.where(changed == total, CLASS_ALL, CLASS_MARKED)).astype(np.uint8)
+    mask = np.zeros(old.size, bool)
+    mask[positions] = True
+    return table, np.packbits(mask[table[classes] == CLASS_MARKED], bitorder="little").tobytes()
+
+
+def class_masks_bits(old: np.ndarray, positions: np.ndarray, sample: int) -> float:
+    """Estimated bits of a chunk's CLASS_MASKS bitmap from its first `sample` elements: each class's binary entropy.
+
+    A contiguous sample reads a few pages; a strided one would read most of the chunk.
+    """
+    head = old[:sample]
+    classes = magnitude_class(head)
+    total = np.bincount(classes, minlength=CLASSES).astype(np.float64)
+    changed = np.bincount(classes[positions[: np.searchsorted(positions, head.size)]], minlength=CLASSES)
+    p = np.divide(changed, total, out=np.zeros(CLASSES), where=total > 0)
+    q = 1 - p
+    entropy = -(p * np.log2(p, out=np.zeros(CLASSES), where=p > 0) + q * np.log2(q, out=np.zeros(CLASSES), where=q > 0))
+    return float((entropy * total).sum() * old.size / max(head.size, 1))
+
+
+def decode_class_masks(old: np.ndarray, table: np.ndarray, bitmap: np.ndarray, count: int, where: str) -> np.ndarray:
+    """Inverse of encode_class_masks against the chunk's old values (2-byte floats), every part checked.
+
+    One pass of numba's kernel where installed, else numpy.
+    """
+    if fused.enabled and fused.class_positions is not None:
+        positions = np.empty(count, np.int64)
+        status = fused.class_positions(old, table, bitmap, positions)
+        if status != fused.POSITIONS_OK:
+            raise CorruptPatchError(f"{where}: {kernel_error(status, old.size, gap_codes=False)}")
+        return positions
+    if int(table.max()) > CLASS_MARKED:
+        raise CorruptPatchError(f"{where}: {_CLASS_TABLE_INVALID}")
+    state = table[magnitude_class(old)]
+    marked = np.flatnonzero(state == CLASS_MARKED)
+    flags = np.unpackbits(bitmap, bitorder="little").view(bool)
+    if (marked.size + 7) // 8 != bitmap.size or flags[marked.size :].any():
+        raise CorruptPatchError(f"{where}: {_CLASS_BITMAP_MISMATCH}")
+    changed = state == CLASS_ALL
+    changed[marked[flags[: marked.size]]] = True
+    positions = np.flatnonzero(changed)
+    if positions.size != count:
+        raise CorruptPatchError(f"{where}: {_CLASS_COUNT_MISMATCH}")
+    return positions
+
+
 _KERNEL_ERRORS = {
     fused.POSITIONS_GAP_CODE_INVALID: _GAP_CODE_INVALID,
+    fused.VALUES_CODE_INVALID: _VALUE_CODE_INVALID,
+    fused.VALUES_EXTRA_MISMATCH: _VALUE_EXTRA_MISMATCH,
+    fused.CLASS_TABLE_INVALID: _CLASS_TABLE_INVALID,
+    fused.CLASS_BITMAP_MISMATCH: _CLASS_BITMAP_MISMATCH,
+    fused.CLASS_COUNT_MISMATCH: _CLASS_COUNT_MISMATCH,
     fused.POSITIONS_GAP_OUTSIDE: "escaped position gap exceeds the chunk of {length}",
     fused.POSITIONS_OUTSIDE: _OUTSIDE,
     fused.VALUES_ESCAPES_MISMATCH: _VALUE_ESCAPES_MISMATCH,

@@ -73,6 +73,9 @@ class ValueCoding(enum.IntEnum):
     XOR = 2  # new bits XOR old bits, packed
     PLANES = 3  # (v2) zigzag of the ordered difference, full width, in byte planes
     EXP_PLANES = 4  # (v2, floats) as PLANES, the values sorted (stably) by the old value's top magnitude byte
+    # (v2, 2-byte floats) as EXP_PLANES, each negated where the old value is negative, as one
+    # symbol byte (2 * the GAP_CODES code of |v| + sign) and |v|'s extra bits in a stream of their own
+    EXP_CODES = 5
 
     @property
     def packed(self) -> bool:
@@ -85,9 +88,15 @@ class PositionCoding(enum.IntEnum):
 
     GAPS16 = 0  # u16 gaps in two byte planes; gaps >= ESCAPE also in full in a u64 escape list (format 1)
     GAP_CODES = 1  # (v2) one byte per gap: its bit length and top bits; its low bits in an extra-bits stream
+    # (v2, SPARSE records of 2-byte floats) per magnitude class of the old values: none, every
+    # element, or those a bitmap marks changed (the decoder scans the chunk's old values)
+    CLASS_MASKS = 2
 
 
-V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
+V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES, ValueCoding.EXP_CODES)
+BY_CLASS = (ValueCoding.EXP_PLANES, ValueCoding.EXP_CODES)  # values stored sorted by the old values' magnitude class
+CLASSES = 256  # magnitude classes: the 8 bits below the sign
+CLASS_NONE, CLASS_ALL, CLASS_MARKED = 0, 1, 2  # a CLASS_MASKS table entry
 V2_KINDS = (RecordKind.HISTORY,)
 # Field values to members: a dict lookup per record, where the enum constructors cost ~1 us each.
 _KINDS = {k.value: k for k in RecordKind}
@@ -130,8 +139,10 @@ class RecordHeader:
     start: int = 0
     length: int = 0
     count: int = 0  # changed elements (END: number of records before it)
-    escapes: int = 0  # GAPS16: gaps too large for u16; GAP_CODES: bytes of the extra-bits stream
-    value_escapes: int = 0  # packed values too large for a 2-bit code
+    escapes: int = (
+        0  # GAPS16: gaps too large for u16; GAP_CODES: bytes of the extra-bits stream; CLASS_MASKS: of the bitmap
+    )
+    value_escapes: int = 0  # packed values too large for a 2-bit code; EXP_CODES: bytes of the extra-bits stream
     raw_len: int = 0
     comp_len: int = 0
     payload_hash: int = 0  # xxh3-64 of the compressed payload
@@ -201,13 +212,22 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int,
 
 
 def values_len(coding: ValueCoding, width: int, n: int, value_escapes: int) -> int:
-    """Bytes of n coded values: byte planes, or 2-bit codes + escaped values' planes."""
+    """Bytes of n coded values: byte planes, 2-bit codes + escaped values' planes, or symbols + extra bits."""
+    if coding == ValueCoding.EXP_CODES:
+        return n + value_escapes
     return (n + 3) // 4 + width * value_escapes if coding.packed else width * n
 
 
 def positions_len(h: RecordHeader, gaps: int) -> int:
-    """Bytes of `gaps` coded position gaps."""
+    """Bytes of `gaps` coded position gaps (CLASS_MASKS: the class table and the bitmap)."""
+    if h.positions == PositionCoding.CLASS_MASKS:
+        return CLASSES + h.escapes
     return gaps + h.escapes if h.positions == PositionCoding.GAP_CODES else 2 * gaps + 8 * h.escapes
+
+
+def escapes_per_value(coding: ValueCoding) -> int:
+    """Most extra-bit bytes a value takes: EXP_CODES's MAX_GAP_BITS - 3 extra bits (other byte-plane codings: none)."""
+    return (MAX_GAP_BITS - 3 + 7) // 8 if coding == ValueCoding.EXP_CODES else 0
 
 
 def raw_len_for(h: RecordHeader) -> int:
@@ -216,7 +236,9 @@ def raw_len_for(h: RecordHeader) -> int:
     if kind == RecordKind.SPARSE:
         return positions_len(h, count) + values_len(coding, width, count, h.value_escapes)
     if kind == RecordKind.HISTORY:
-        return (h.ref_count + 7) // 8 + positions_len(h, h.new_count) + width * count
+        return (
+            (h.ref_count + 7) // 8 + positions_len(h, h.new_count) + values_len(coding, width, count, h.value_escapes)
+        )
     if kind in (RecordKind.DENSE, RecordKind.ADD, RecordKind.REPLACE):
         return values_len(coding, width, h.length, h.value_escapes)
     return 0
@@ -321,14 +343,21 @@ def _check_record(h: RecordHeader) -> None:
             f"{_label(h)}: chunk [{h.start}, {h.start + h.length}) is outside the tensor of {numel} elements"
         )
     sparse = h.kind in (RecordKind.SPARSE, RecordKind.HISTORY)
-    # GAP_CODES: at most MAX_GAP_BITS - 3 extra bits per gap; GAPS16: at most one escape per gap
+    # GAP_CODES: at most MAX_GAP_BITS - 3 extra bits per gap; GAPS16: at most one escape per gap;
+    # CLASS_MASKS: at most one bit per element of the chunk
     escapes_per_gap = (MAX_GAP_BITS - 3 + 7) // 8 if h.positions == PositionCoding.GAP_CODES else 1
-    if sparse and not (0 < h.count <= h.length and h.escapes <= escapes_per_gap * h.count):
+    most_escapes = (h.length + 7) // 8 if h.positions == PositionCoding.CLASS_MASKS else escapes_per_gap * h.count
+    if sparse and not (0 < h.count <= h.length and h.escapes <= most_escapes):
         raise CorruptPatchError(
             f"{_label(h)}: {h.count} changed elements / {h.escapes} escapes do not fit a chunk of {h.length}"
         )
     if h.positions != PositionCoding.GAPS16 and not sparse:
         raise CorruptPatchError(f"{_label(h)}: a {h.kind.name} record has no positions to code")
+    two_byte_float = h.info.is_float and h.info.width == 2
+    if h.positions == PositionCoding.CLASS_MASKS and not (h.kind == RecordKind.SPARSE and two_byte_float):
+        raise CorruptPatchError(f"{_label(h)}: CLASS_MASKS positions in a {h.kind.name} record of {h.info.name}")
+    if h.coding == ValueCoding.EXP_CODES and not two_byte_float:
+        raise CorruptPatchError(f"{_label(h)}: EXP_CODES coding for dtype {h.info.name} (2-byte floats only)")
     if h.kind == RecordKind.HISTORY:
         counts_fit = h.escapes <= escapes_per_gap * h.new_count and h.new_count <= h.count <= h.new_count + h.ref_count
         if h.coding not in V2_CODINGS or not counts_fit:
@@ -343,7 +372,8 @@ def _check_record(h: RecordHeader) -> None:
     if h.coding == ValueCoding.EXP_PLANES and not (h.info.is_float and h.info.width >= 2):
         raise CorruptPatchError(f"{_label(h)}: EXP_PLANES coding for dtype {h.info.name} (floats of 2+ bytes only)")
     coded = h.count if h.kind in (RecordKind.SPARSE, RecordKind.HISTORY) else h.length
-    if h.value_escapes > (coded if h.coding.packed else 0):
+    most_value_escapes = coded if h.coding.packed else escapes_per_value(h.coding) * coded
+    if h.value_escapes > most_value_escapes:
         raise CorruptPatchError(f"{_label(h)}: {h.value_escapes} escaped values for {coded} {h.coding.name} values")
     expected = raw_len_for(h)
     if h.raw_len != expected:

@@ -26,6 +26,9 @@ from typing import Any
 import numpy as np
 
 from pulsesync.codec.format import (
+    CLASS_MARKED,
+    CLASS_NONE,
+    CLASSES,
     ESCAPE,
     GAP_DIRECT,
     MAX_GAP_CODE,
@@ -88,6 +91,9 @@ def _pointer_intrinsic() -> Any:
 POSITIONS_OK, POSITIONS_ESCAPES_MISMATCH, POSITIONS_GAP_OUTSIDE, POSITIONS_OUTSIDE = 0, 1, 2, 3
 POSITIONS_GAP_CODE_INVALID = 4
 VALUES_ESCAPES_MISMATCH = 5  # (apply_batch) the value codes' escapes do not match value_escapes
+# (6 and 7: apply_batch's HISTORY statuses, below)
+VALUES_CODE_INVALID, VALUES_EXTRA_MISMATCH = 8, 9  # EXP_CODES: a symbol above the last code; the extra bits
+CLASS_TABLE_INVALID, CLASS_BITMAP_MISMATCH, CLASS_COUNT_MISMATCH = 10, 11, 12  # CLASS_MASKS
 
 
 def _decode_positions(planes: Any, count: int, escapes: Any, length: int, out: Any) -> int:
@@ -179,6 +185,100 @@ def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
         nbits = math.frexp(float(gap))[1] - 3  # bit length - 3 (exact: gaps are far below 2**53)
         codes[i] = GAP_DIRECT + 4 * (nbits - 1) + ((gap >> nbits) & 3)
         acc |= (gap & ((np.int64(1) << nbits) - 1)) << have
+        have += nbits
+        while have >= 8:
+            extra[k] = acc & 0xFF
+            acc >>= 8
+            have -= 8
+            k += 1
+    if have > 0:
+        extra[k] = acc
+        k += 1
+    return k
+
+
+def _class_positions(chunk: Any, table: Any, bitmap: Any, out: Any) -> int:
+    """out = the positions CLASS_MASKS code (bits.decode_class_masks), in one pass over the old values; a status.
+
+    CLASS_TABLE_INVALID for a table entry above CLASS_MARKED; CLASS_COUNT_MISMATCH unless exactly
+    out.size positions are found; CLASS_BITMAP_MISMATCH unless the marked classes' elements take
+    exactly the bitmap's bytes, its padding bits zero.
+    """
+    for c in range(table.size):
+        if table[c] > CLASS_MARKED:
+            return CLASS_TABLE_INVALID
+    limit = 8 * bitmap.size
+    bit = 0
+    k = 0
+    for i in range(chunk.size):
+        state = table[(np.int32(chunk[i]) >> 7) & 0xFF]
+        if state == CLASS_NONE:
+            continue
+        if state == CLASS_MARKED:
+            if bit == limit:
+                return CLASS_BITMAP_MISMATCH
+            flag = (bitmap[bit >> 3] >> (bit & 7)) & 1
+            bit += 1
+            if flag == 0:
+                continue
+        if k == out.size:
+            return CLASS_COUNT_MISMATCH
+        out[k] = i
+        k += 1
+    if k != out.size:
+        return CLASS_COUNT_MISMATCH
+    if (bit + 7) // 8 != bitmap.size or (bit % 8 != 0 and (np.int64(bitmap[bitmap.size - 1]) >> (bit % 8)) != 0):
+        return CLASS_BITMAP_MISMATCH
+    return POSITIONS_OK
+
+
+def _value_code_planes(payloads: Any, at: int, n: int, extra_bytes: int, planes: Any) -> int:
+    """EXP_CODES values (n symbols at payloads[at:], then extra_bytes of extra bits) into zigzag byte planes; a status.
+
+    The symbols are checked first and the extra bits they need counted against the stream
+    (VALUES_CODE_INVALID, VALUES_EXTRA_MISMATCH), so the reads end inside the record; payloads is
+    padded past its last record for _gap_at's five-byte reads.
+    """
+    total = 0
+    for i in range(n):
+        code = np.int64(payloads[at + i]) >> 1
+        if code > MAX_GAP_CODE:
+            return VALUES_CODE_INVALID
+        if code >= GAP_DIRECT:
+            total += (code - GAP_DIRECT) // 4 + 1
+    last = at + n + extra_bytes - 1
+    if (total + 7) // 8 != extra_bytes or (total % 8 != 0 and (np.int64(payloads[last]) >> (total % 8)) != 0):
+        return VALUES_EXTRA_MISMATCH
+    bit = np.int64(8 * (at + n))
+    for i in range(n):
+        symbol = np.int64(payloads[at + i])
+        magnitude, bit = _gap_at(symbol >> 1, payloads, bit)
+        v = -magnitude if symbol & 1 else magnitude
+        v = ((v + 32768) & 0xFFFF) - 32768  # int16, wrapping
+        z = ((v << 1) ^ (v >> 15)) & 0xFFFF
+        planes[i] = z & 0xFF
+        planes[n + i] = z >> 8
+    return POSITIONS_OK
+
+
+def _encode_value_codes(values: Any, old: Any, order: Any, symbols: Any, extra: Any) -> int:
+    """EXP_CODES of 2-byte values (bits.encode_value_codes) in one pass; the bytes of extra used."""
+    acc = np.int64(0)
+    have = 0
+    k = 0
+    for i in range(order.size):
+        j = order[i]
+        v = np.int64(values[j])
+        if old[j] < 0:
+            v = ((32768 - v) & 0xFFFF) - 32768  # -v, wrapping at 16 bits
+        sign = 1 if v < 0 else 0
+        m = -v if sign else v
+        if m < GAP_DIRECT:
+            symbols[i] = 2 * m + sign
+            continue
+        nbits = math.frexp(float(m))[1] - 3
+        symbols[i] = 2 * (GAP_DIRECT + 4 * (nbits - 1) + ((m >> nbits) & 3)) + sign
+        acc |= (m & ((np.int64(1) << nbits) - 1)) << have
         have += nbits
         while have >= 8:
             extra[k] = acc & 0xFF
@@ -359,14 +459,16 @@ def _apply_planes_2byte(
 
     PLANES: delta_i = unzigzag of the two byte planes; EXP_PLANES: the same, taken in
     magnitude-class order of the old values (a counting sort, stable, as bits.magnitude_order;
-    the old values are gathered first); RAW: the planes hold the new bits, delta_i is how far
+    the old values are gathered first); EXP_CODES (decoded to planes by _value_code_planes): as
+    EXP_PLANES, negated where the old value is negative; RAW: the planes hold the new bits, delta_i is how far
     they are from the old ones in value order. Plus ref_deltas[i] when given (HISTORY records;
     empty otherwise). Old values go to old_out (undo log), deltas in position order to deltas_out (the
     subscriber's history); the digest's lane sums change as in apply_delta_2byte.
     """
     n = positions.size
     next_in_class = np.zeros(257, np.int64)
-    by_class, raw = coding == _EXP_PLANES, coding == _RAW
+    raw, fold = coding == _RAW, coding == _EXP_CODES
+    by_class = fold or coding == _EXP_PLANES
     if by_class:
         for i in range(n):
             if i + AHEAD < n:
@@ -392,6 +494,8 @@ def _apply_planes_2byte(
             delta = (new ^ ((new >> 15) & 0x7FFF)) - (was ^ ((was >> 15) & 0x7FFF))
         else:
             delta = (z >> 1) ^ -(z & 1)
+            if fold and old < 0:
+                delta = -delta
         if ref_deltas.size:
             delta += np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
@@ -446,6 +550,7 @@ HISTORY_BITMAP_MISMATCH = 6  # the reference bitmap does not mark count - new_co
 HISTORY_REPEATS = 7  # a new position repeats one of the reference's
 _GAP_CODES = int(PositionCoding.GAP_CODES)  # (numba compares plain ints)
 _RAW, _DELTA, _EXP_PLANES = int(ValueCoding.RAW), int(ValueCoding.DELTA), int(ValueCoding.EXP_PLANES)
+_EXP_CODES, _CLASS_MASKS = int(ValueCoding.EXP_CODES), int(PositionCoding.CLASS_MASKS)
 _HISTORY = int(RecordKind.HISTORY)
 
 
@@ -470,11 +575,16 @@ def _padded_gap_codes(payloads: Any, at: int, n: int, escapes: int, length: int,
     return POSITIONS_OK
 
 
-def _row_positions(payloads: Any, at: int, n: int, escapes: int, gap_codes: bool, length: int, out: Any) -> int:
-    """Decode n positions coded at payloads[at:] into out (each checked inside a chunk of `length`); a status."""
+def _row_positions(payloads: Any, at: int, n: int, escapes: int, coding: int, chunk: Any, out: Any) -> int:
+    """Decode n positions at payloads[at:] (PositionCoding `coding`) into out, each checked in the chunk; a status."""
     status: int
-    if gap_codes:
+    length = chunk.size
+    if coding == _GAP_CODES:
         status = _padded_gap_codes(payloads, at, n, escapes, length, out)
+        return status
+    if coding == _CLASS_MASKS:  # (chunk holds the old values: positions are decoded before any write)
+        bitmap_at = at + CLASSES
+        status = _class_positions_k(chunk, payloads[at:bitmap_at], payloads[bitmap_at : bitmap_at + escapes], out[:n])
         return status
     escaped = np.empty(escapes, np.uint64)
     for k in range(escapes):
@@ -486,7 +596,7 @@ def _row_positions(payloads: Any, at: int, n: int, escapes: int, gap_codes: bool
     return status
 
 
-def _history_positions(payloads: Any, at: int, row: Any, fresh: Any, found: Any, ref_deltas: Any) -> int:
+def _history_positions(payloads: Any, at: int, row: Any, chunk: Any, fresh: Any, found: Any, ref_deltas: Any) -> int:
     """A HISTORY record's positions into `found` and each one's reference delta into ref_deltas; a status.
 
     As parse's HISTORY decoding: the bitmap marks the reference positions that changed again
@@ -505,8 +615,7 @@ def _history_positions(payloads: Any, at: int, row: Any, fresh: Any, found: Any,
     if marked != row[ROW_COUNT] - n:
         return HISTORY_BITMAP_MISMATCH
     at += (ref_count + 7) // 8
-    gap_codes = row[ROW_POSITIONS] == _GAP_CODES
-    status = _row_positions(payloads, at, n, row[ROW_ESCAPES], gap_codes, row[ROW_LENGTH], fresh)
+    status = _row_positions(payloads, at, n, row[ROW_ESCAPES], row[ROW_POSITIONS], chunk, fresh)
     if status != POSITIONS_OK:
         return status
     reference = _carray(_pointer(row[ROW_REF_POSITIONS]), ref_count, np.int64)
@@ -533,30 +642,37 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
         row = table[r]
         chunk = _carray(_pointer(row[ROW_TARGET]), row[ROW_LENGTH], np.int16)
         at, n, escapes, out = row[ROW_PAYLOAD], row[ROW_COUNT], row[ROW_ESCAPES], row[ROW_OUT]
-        coding, first, gap_codes = row[ROW_CODING], row[ROW_FIRST], row[ROW_POSITIONS] == _GAP_CODES
+        coding, first, position_coding = row[ROW_CODING], row[ROW_FIRST], row[ROW_POSITIONS]
+        gap_codes = position_coding == _GAP_CODES
         found, row_old, row_deltas = positions[out : out + n], old[out : out + n], deltas[out : out + n]
         row_lanes = lanes[r]
         if row[ROW_KIND] == _HISTORY:
             ref_deltas = np.empty(n, np.int16)
-            status = _history_positions(payloads, at, row, np.empty(row[ROW_NEW_COUNT], np.int64), found, ref_deltas)
+            fresh = np.empty(row[ROW_NEW_COUNT], np.int64)
+            status = _history_positions(payloads, at, row, chunk, fresh, found, ref_deltas)
             if status != POSITIONS_OK:
                 return r, status, 0
-            planes_at = at + (row[ROW_REF_COUNT] + 7) // 8 + _positions_len(row[ROW_NEW_COUNT], escapes, gap_codes)
-            planes = payloads[planes_at : planes_at + 2 * n]
+            values_at = at + (row[ROW_REF_COUNT] + 7) // 8
+            values_at += _positions_len(row[ROW_NEW_COUNT], escapes, position_coding)
+            status, planes = _value_planes(payloads, values_at, n, row[ROW_VALUE_ESCAPES], coding)
+            if status != POSITIONS_OK:
+                return r, status, 0
             _apply_planes_k(chunk, found, planes, coding, ref_deltas, row_old, row_deltas, first, row_lanes)
             continue
-        values_at = at + _positions_len(n, escapes, gap_codes)
+        values_at = at + _positions_len(n, escapes, position_coding)
         if coding != _DELTA:
-            status = _row_positions(payloads, at, n, escapes, gap_codes, chunk.size, found)
+            status = _row_positions(payloads, at, n, escapes, position_coding, chunk, found)
             if status != POSITIONS_OK:
                 return r, status, 0
-            planes = payloads[values_at : values_at + 2 * n]
+            status, planes = _value_planes(payloads, values_at, n, row[ROW_VALUE_ESCAPES], coding)
+            if status != POSITIONS_OK:
+                return r, status, 0
             _apply_planes_k(chunk, found, planes, coding, _EMPTY_REF, row_old, row_deltas, first, row_lanes)
             continue
         if gap_codes:
             status = _check_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes])
         else:
-            status = _row_positions(payloads, at, n, escapes, gap_codes, chunk.size, found)
+            status = _row_positions(payloads, at, n, escapes, position_coding, chunk, found)
         if status != POSITIONS_OK:
             return r, status, 0
         packed_len, value_escapes = (n + 3) // 4, row[ROW_VALUE_ESCAPES]
@@ -578,9 +694,19 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
     return -1, POSITIONS_OK, 0
 
 
-def _positions_len(n: int, escapes: int, gap_codes: bool) -> int:
-    """Bytes of n coded positions (format.positions_len)."""
-    return n + escapes if gap_codes else 2 * n + 8 * escapes
+def _value_planes(payloads: Any, at: int, n: int, extra_bytes: int, coding: int) -> tuple[int, Any]:
+    """A record's values as the byte planes _apply_planes_2byte reads (EXP_CODES decoded into them); a status."""
+    if coding != _EXP_CODES:
+        return POSITIONS_OK, payloads[at : at + 2 * n]
+    planes = np.empty(2 * n, np.uint8)
+    return _value_code_planes(payloads, at, n, extra_bytes, planes), planes
+
+
+def _positions_len(n: int, escapes: int, coding: int) -> int:
+    """Bytes of n coded positions in PositionCoding `coding` (format.positions_len)."""
+    if coding == _CLASS_MASKS:
+        return CLASSES + escapes
+    return n + escapes if coding == _GAP_CODES else 2 * n + 8 * escapes
 
 
 _EMPTY_REF = np.empty(0, np.int16)
@@ -600,8 +726,10 @@ decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decod
 count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes) if _njit else None
 decode_gap_codes: Callable[[Any, Any, int, Any], int] | None = _njit(_decode_gap_codes) if _njit else None
 encode_gap_codes: Callable[[Any, Any, Any], int] | None = _njit(_encode_gap_codes) if _njit else None
+encode_value_codes: Callable[[Any, Any, Any, Any, Any], int] | None = _njit(_encode_value_codes) if _njit else None
 apply_planes_2byte: Callable[..., None] | None = _njit(_apply_planes_2byte) if _njit else None
 merge_history: Callable[..., bool] | None = _njit(_merge_history) if _njit else None
+class_positions: Callable[[Any, Any, Any, Any], int] | None = _njit(_class_positions) if _njit else None
 # The batch kernel calls the others compiled (numba resolves these globals when it compiles it).
 _k: Any = _njit or (lambda f: None)
 _decode_positions_k: Any = decode_positions
@@ -609,6 +737,7 @@ _count_escape_codes_k: Any = count_escape_codes
 _apply_delta_k: Any = apply_delta_2byte
 _apply_planes_k: Any = apply_planes_2byte
 _merge_history_k: Any = merge_history
+_class_positions_k: Any = class_positions
 _check_gap_codes_k: Any = _check_gap_codes
 _apply_delta_gap_codes_k: Any = _k(_apply_delta_gap_codes)
 _carray: Any = numba.carray if numba is not None else None  # type: ignore[attr-defined]
@@ -617,6 +746,8 @@ if numba is not None:
     _row_positions = numba.njit(boundscheck=False)(_row_positions)
     _history_positions = numba.njit(boundscheck=False)(_history_positions)
     _positions_len = numba.njit(inline="always")(_positions_len)
+    _value_code_planes = numba.njit(boundscheck=False)(_value_code_planes)
+    _value_planes = numba.njit(boundscheck=False)(_value_planes)
 apply_batch: Callable[..., tuple[int, int, int]] | None = _k(_apply_batch)
 enabled = numba is not None  # tests switch it off to compare with the numpy path
 
@@ -626,7 +757,7 @@ def warm_up() -> None:
     if not enabled or numba is None:
         return
     assert apply_delta_2byte and decode_positions and count_escape_codes and decode_gap_codes and encode_gap_codes
-    assert apply_planes_2byte and merge_history and apply_batch
+    assert apply_planes_2byte and merge_history and apply_batch and encode_value_codes and class_positions
     # Payload buffers are read-only views of the decompressed bytes: numba compiles those apart.
     planes, escapes, positions = np.frombuffer(bytes(2), np.uint8), np.zeros(0, np.uint64), np.zeros(1, np.int64)
     decode_positions(planes, 1, escapes, 1, positions)
@@ -634,6 +765,8 @@ def warm_up() -> None:
     encode_gap_codes(positions, np.empty(1, np.uint8), np.empty(5, np.uint8))
     count_escape_codes(planes, 1)
     chunk, old, deltas = np.zeros(1, np.int16), np.empty(1, np.int16), np.empty(1, np.int16)
+    encode_value_codes(deltas, old, positions, np.empty(1, np.uint8), np.empty(3, np.uint8))
+    class_positions(chunk, np.zeros(CLASSES, np.uint8), planes[:0], positions[:0])
     for lanes in (np.zeros(2, np.uint64), np.zeros(0, np.uint64)):
         apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
         apply_planes_2byte(chunk, positions, planes, _EXP_PLANES, np.empty(0, np.int16), old, deltas, 0, lanes)

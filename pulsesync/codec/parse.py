@@ -16,6 +16,7 @@ import zstandard
 
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import (
+    CLASSES,
     FORMAT_VERSION,
     V2_CODINGS,
     PatchHeader,
@@ -61,6 +62,9 @@ class PatchRecord:
     # Format-2 PLANES/EXP_PLANES records of 2-byte floats: the zigzag byte planes, left for the
     # fused kernel (values is None, as for `packed`).
     planes: np.ndarray | None = None
+    # CLASS_MASKS records: the class table and bitmap (positions is None until codec.apply decodes
+    # them against the chunk's old values).
+    class_masks: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def name(self) -> str:
@@ -85,16 +89,20 @@ def decode_record(
     if h.kind != RecordKind.SPARSE:
         return PatchRecord(h, None, _decode_value_stream(buf, h, h.length, 0, where))
     n = h.count
-    positions = _decode_positions(buf, h, n, where)
+    masks = None
+    if h.positions == PositionCoding.CLASS_MASKS:
+        positions, masks = None, (buf[:CLASSES], buf[CLASSES : CLASSES + h.escapes])
+    else:
+        positions = _decode_positions(buf, h, n, where)
     values = buf[positions_len(h, n) :]
     if _fused_planes(h):
-        return PatchRecord(h, positions, None, planes=values)
+        return PatchRecord(h, positions, None, planes=values, class_masks=masks)
     if fused.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
         packed_len = (n + 3) // 4
         escaped = bits.from_planes(values[packed_len:], h.value_escapes, np.uint16)
         bits.check_escape_count(values[:packed_len], n, escaped.size, where)
-        return PatchRecord(h, positions, None, (values[:packed_len], escaped))
-    return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where))
+        return PatchRecord(h, positions, None, (values[:packed_len], escaped), class_masks=masks)
+    return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where), class_masks=masks)
 
 
 def record_where(h: RecordHeader) -> str:
@@ -149,7 +157,10 @@ def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | 
 def _fused_planes(h: RecordHeader) -> bool:
     """Whether the fused kernel applies this record's byte planes (format-2 values of a 2-byte float)."""
     kernel = fused.enabled and fused.apply_planes_2byte is not None
-    return kernel and h.coding in V2_CODINGS and h.info.is_float and h.info.width == 2
+    return kernel and h.coding in _PLANE_CODINGS and h.info.is_float and h.info.width == 2
+
+
+_PLANE_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
 
 
 def _decode_positions(buf: np.ndarray, h: RecordHeader, n: int, where: str) -> np.ndarray:
@@ -168,8 +179,11 @@ def decode_planes(planes: np.ndarray, h: RecordHeader) -> np.ndarray:
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
     """n coded values (signed ints of the dtype's width) from byte planes or packed codes.
 
-    PLANES and EXP_PLANES values come back as signed deltas (unzigzagged), in stored order.
+    PLANES and EXP_PLANES values come back as signed deltas (unzigzagged), EXP_CODES values as
+    they are stored (folded by the old values' signs), in stored order.
     """
+    if h.coding == ValueCoding.EXP_CODES:
+        return bits.decode_value_codes(buf[:n], buf[n : n + h.value_escapes], where)
     if h.coding in V2_CODINGS:  # SPARSE and HISTORY records only: n is h.count
         return decode_planes(buf, h)
     np_int = NP_INT_OF_WIDTH[h.info.width]
