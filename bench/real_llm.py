@@ -56,6 +56,18 @@ def smollm2_gguf() -> Path:
     return target
 
 
+def checkpoint(model: Any) -> State:
+    """A copy of the weights a checkpoint holds: tied tensors once (as `save_pretrained` writes them, and as
+    `pulsesync publish --checkpoint` reads them), under the first name."""
+    seen: set[int] = set()
+    state: State = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            state[name] = t.detach().clone()
+    return state
+
+
 def _text_batches(tokenizer: Any, batch: int, length: int, steps: int, seed: int) -> list[torch.Tensor]:
     """Token batches of real English text: random windows of the Python documentation's topic pages."""
     from pydoc_data.topics import topics
@@ -80,13 +92,13 @@ def fine_tune(steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, s
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    states = [{n: t.detach().clone() for n, t in model.state_dict().items()}]
+    states = [checkpoint(model)]
     for tokens in _text_batches(tokenizer, batch, length, steps, seed):
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        states.append({n: t.detach().clone() for n, t in model.state_dict().items()})
+        states.append(checkpoint(model))
     return states
 
 
@@ -119,10 +131,10 @@ def grpo_steps(steps: int, lr: float = 1e-6, seed: int = 0) -> list[State]:
 
     class Record(TrainerCallback):  # type: ignore[misc]
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            states.append({n: t.detach().clone() for n, t in kwargs["model"].state_dict().items()})
+            states.append(checkpoint(kwargs["model"]))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            states.append({n: t.detach().clone() for n, t in kwargs["model"].state_dict().items()})
+            states.append(checkpoint(kwargs["model"]))
 
     def twelve_words(completions: list[str], **_: Any) -> list[float]:
         return [-abs(len(c.split()) - 12) / 12 for c in completions]

@@ -158,6 +158,12 @@ def test_trailing_bytes(pair, patch) -> None:
         ({"start": 2500}, "outside the tensor"),
         ({"shape": (3000, 1)}, "expects BF16"),
         ({"coding": ValueCoding.RAW}, "escaped values|decoded bytes"),
+        ({"coding": ValueCoding.PREDICTED_CODES}, "PREDICTED_CODES in a SPARSE record"),  # HISTORY records only
+        ({"kind": RecordKind.HISTORY, "positions": PositionCoding.CLASS_MASKS}, "CLASS_MASKS positions in a HISTORY"),
+        (
+            {"dtype": dtype_info(torch.float32), "shape": (1500,), "positions": PositionCoding.CLASS_MASKS},
+            "CLASS_MASKS",
+        ),
     ],
 )
 def test_record_field_lies(pair, patch, fields: dict, match: str) -> None:

@@ -25,6 +25,7 @@ from pulsesync.codec import (
     UndoLog,
     ValueCoding,
     apply_patch,
+    bits,
     encode,
     fused,
     read_header,
@@ -169,6 +170,13 @@ def _coverage_patches() -> list[tuple[State, bytes, PatchHistory | None]]:
     classes = (old.view(torch.int16) + small.to(torch.int16) * 40).view(torch.bfloat16)
     for new in (noisy, every_ulp, one_ulp, aligned.view(torch.bfloat16), sparse_noise, classes):
         out.append(({"t": old}, encode({"t": old}, {"t": new}).data, None))
+    # fp16: EXP_CODES values in HISTORY records too (PREDICTED_CODES is for bf16).
+    halves, moving16 = [torch.randn(4096, generator=gen).half()], (torch.rand(4096, generator=gen) < 0.05)
+    for _ in range(2):
+        halves.append((halves[-1].view(torch.int16) + moving16.to(torch.int16) * 3).view(torch.float16))
+    first16 = encode({"t": halves[0]}, {"t": halves[1]})
+    second16 = encode({"t": halves[1]}, {"t": halves[2]}, reference=first16.history).data
+    out.append(({"t": halves[1]}, second16, first16.history))
     # fp32: EXP_PLANES values (EXP_CODES is for 2-byte floats), history-coded too.
     floats, moving = [torch.randn(4096, generator=gen)], (torch.rand(4096, generator=gen) < 0.05).to(torch.int32)
     for _ in range(2):
@@ -191,6 +199,7 @@ def _coverage_patches() -> list[tuple[State, bytes, PatchHistory | None]]:
 def test_the_coverage_patches_hold_every_record_kind() -> None:
     kinds = set().union(*(_kinds(patch) for _, patch, _ in _coverage_patches()))
     expected = {
+        (RecordKind.HISTORY, ValueCoding.PREDICTED_CODES),
         (RecordKind.HISTORY, ValueCoding.EXP_CODES),
         (RecordKind.SPARSE, ValueCoding.EXP_CODES),
         (RecordKind.HISTORY, ValueCoding.EXP_PLANES),
@@ -250,6 +259,50 @@ def test_any_flipped_byte_is_an_error_and_the_state_rolls_back(kernel: str, inde
             assert_states_equal(work, base)
         else:  # a flip inside the zstd frame that zstd's checksum and our hash both let through cannot happen
             raise AssertionError(f"flipped bit at byte {offset} was accepted")
+
+
+def _bf16_specials() -> np.ndarray:
+    """Every kind of bf16 bit pattern: zeros, subnormals, the smallest and largest normals, infinities, NaNs."""
+    values = [0, 1, 0x7F, 0x80, 0x81, 0x3F80, 0x7F7F, 0x7F80, 0x7F81, 0x7FC0, 0x0100, 0x1234]
+    return np.array(values + [v | 0x8000 for v in values], np.uint16).view(np.int16)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_predicted_offsets_agree_on_both_paths_and_with_float_arithmetic(seed: int) -> None:
+    """PREDICTED_CODES' prediction: numba's kernel and numpy give the same bits for every pattern, and they are
+    the bf16 nearest 2 * old - prev wherever both are finite and close (float64 is exact there)."""
+    rng = np.random.default_rng(seed)
+    specials = _bf16_specials()
+    old = np.concatenate([rng.integers(-(2**15), 2**15, 4000), np.repeat(specials, specials.size)]).astype(np.int16)
+    deltas = np.concatenate([rng.integers(-400, 400, 2000), rng.integers(-(2**15), 2**15, 2000)])
+    deltas = np.concatenate([deltas, np.tile(specials, specials.size)]).astype(np.int16)
+    deltas[::13] = 0  # new positions: no prediction
+    numpy_offsets = _offsets_without_numba(old, deltas)
+    if fused.enabled:
+        assert np.array_equal(bits.predicted_offsets(old, deltas), numpy_offsets)
+    ordered = old.astype(np.int64) ^ ((old.astype(np.int64) >> 15) & 0x7FFF)
+    prev_ordered = ((ordered - deltas + 32768) & 0xFFFF) - 32768
+    prev = (prev_ordered ^ ((prev_ordered >> 15) & 0x7FFF)).astype(np.int16)
+    as_float = [torch.from_numpy(x).view(torch.bfloat16).double() for x in (old, prev)]
+    exact = (2 * as_float[0] - as_float[1]).float()  # exact in float64; float32 keeps 24 of bf16's 8 bits
+    expected = exact.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int64)
+    expected_offsets = ((expected ^ ((expected >> 15) & 0x7FFF)) - ordered + 32768) % 65536 - 32768
+    exponent = [(x.astype(np.int64) >> 7) & 0xFF for x in (old, prev)]
+    comparable = (deltas != 0) & (exponent[0] < 0xFF) & (exponent[1] < 0xFF) & torch.isfinite(exact).numpy()
+    comparable &= np.abs(exponent[0] - exponent[1]) <= 8  # float32's 24 bits hold both without rounding
+    assert comparable.sum() > 1000
+    assert np.array_equal(numpy_offsets[comparable], expected_offsets[comparable])
+    assert not numpy_offsets[deltas == 0].any()
+
+
+def _offsets_without_numba(old: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    enabled = fused.enabled
+    fused.enabled = False
+    try:
+        return bits.predicted_offsets(old, deltas)
+    finally:
+        fused.enabled = enabled
 
 
 def test_a_history_coded_patch_needs_its_reference() -> None:

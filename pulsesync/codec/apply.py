@@ -18,7 +18,15 @@ import torch
 
 from pulsesync.codec import bits, fused
 from pulsesync.codec.arenas import ArenaPool
-from pulsesync.codec.format import BY_CLASS, V2_CODINGS, PositionCoding, RecordHeader, RecordKind, ValueCoding
+from pulsesync.codec.format import (
+    BY_CLASS,
+    CODES,
+    V2_CODINGS,
+    PositionCoding,
+    RecordHeader,
+    RecordKind,
+    ValueCoding,
+)
 from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.parse import (
     PatchDecoder,
@@ -233,10 +241,13 @@ def _apply_deltas(
         in_order = np.empty_like(deltas)
         in_order[bits.magnitude_order(bits.host(old))] = deltas
         deltas = in_order
-    if h.coding == ValueCoding.EXP_CODES:  # stored negated where the old value is negative
+    if h.coding in CODES:  # stored negated where the old value is negative
         deltas = bits.fold_by_sign(deltas, bits.host(old))
     if record.ref_deltas is not None:
-        deltas = bits.wrapping_add(deltas, record.ref_deltas)
+        reference = record.ref_deltas
+        if h.coding == ValueCoding.PREDICTED_CODES:  # residuals against a float-space prediction
+            reference = bits.predicted_offsets(bits.host(old), reference)
+        deltas = bits.wrapping_add(deltas, reference)
     before = old.clone() if undo is not None or lanes is not None else old
     if undo is not None:
         undo.chunks.append((h.name, h.start, h.length, index, before))

@@ -412,6 +412,52 @@ def fold_by_sign(values: np.ndarray, old: np.ndarray) -> np.ndarray:
     return folded
 
 
+def predicted_offsets(old: np.ndarray, reference_deltas: np.ndarray) -> np.ndarray:
+    """PREDICTED_CODES' prediction per position, as ordered steps from old (int16; fused._predicted_offset's rule).
+
+    The bf16 nearest 2 * old - prev (prev: reference_delta ordered steps below old), computed
+    exactly and rounded once, ties to even; 0 where reference_delta is 0, either value is not
+    finite, or their exponents are more than 30 apart. One numba pass where installed, else numpy.
+    """
+    out = np.empty(old.size, np.int16)
+    if fused.enabled and fused.predicted_offsets is not None:
+        fused.predicted_offsets(old, reference_deltas, out)
+        return out
+    o = old.astype(np.int64)
+    ordered = o ^ ((o >> 15) & 0x7FFF)
+    d = reference_deltas.astype(np.int64)
+    p = ((ordered - d + 32768) & 0xFFFF) - 32768
+    p = (p ^ ((p >> 15) & 0x7FFF)) & 0xFFFF
+    o &= 0xFFFF
+
+    def parts(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        exponent = (x >> 7) & 0xFF
+        significand = np.where(exponent > 0, (x & 0x7F) | 0x80, x & 0x7F)
+        return np.maximum(exponent, 1), np.where(x & 0x8000, -significand, significand)
+
+    (eo, mo), (ep, mp) = parts(o), parts(p)
+    low = np.minimum(eo, ep)
+    skip = (d == 0) | ((o & 0x7F80) == 0x7F80) | ((p & 0x7F80) == 0x7F80) | (np.abs(eo - ep) > 30)
+    total = 2 * (mo << np.minimum(eo - low, 30)) - (mp << np.minimum(ep - low, 30))
+    magnitude = np.abs(total)
+    length = np.where(magnitude > 0, np.frexp(magnitude.astype(np.float64))[1], 0)  # exact: below 2**41
+    exponent = low + length - 8
+    shift = np.where(exponent >= 1, length - 8, 1 - low)
+    right = np.maximum(shift, 0)
+    q = np.where(shift > 0, magnitude >> right, magnitude << np.maximum(-shift, 0))
+    rest = magnitude & ((np.int64(1) << right) - 1)
+    half = np.where(shift > 0, np.int64(1) << np.maximum(right - 1, 0), -1)
+    q += (shift > 0) & ((rest > half) | ((rest == half) & (q & 1 == 1)))
+    carry = (exponent >= 1) & (q == 256)
+    exponent, q = exponent + carry, np.where(carry, 128, q)
+    normal = np.where(exponent >= 255, 0x7F80, (exponent << 7) | (q & 0x7F))
+    predicted = np.where(exponent >= 1, normal, q) | np.where(total < 0, 0x8000, 0)
+    predicted = np.where(magnitude == 0, 0, predicted).astype(np.uint16).view(np.int16).astype(np.int64)
+    offset = ((predicted ^ ((predicted >> 15) & 0x7FFF)) - ordered + 32768) % 65536 - 32768
+    out[:] = np.where(skip, 0, offset)
+    return out
+
+
 _CLASS_TABLE_INVALID = f"a class-masks table entry is above {CLASS_MARKED}"
 _CLASS_BITMAP_MISMATCH = "the class-masks bitmap does not match the chunk's marked classes"
 _CLASS_COUNT_MISMATCH = "the class masks do not mark the record's count of positions"
@@ -428,19 +474,21 @@ def encode_class_masks(old: np.ndarray, positions: np.ndarray) -> tuple[np.ndarr
     return table, np.packbits(mask[table[classes] == CLASS_MARKED], bitorder="little").tobytes()
 
 
-def class_masks_bits(old: np.ndarray, positions: np.ndarray, sample: int) -> float:
-    """Estimated bits of a chunk's CLASS_MASKS bitmap from its first `sample` elements: each class's binary entropy.
-
-    A contiguous sample reads a few pages; a strided one would read most of the chunk.
-    """
-    head = old[:sample]
-    classes = magnitude_class(head)
-    total = np.bincount(classes, minlength=CLASSES).astype(np.float64)
-    changed = np.bincount(classes[positions[: np.searchsorted(positions, head.size)]], minlength=CLASSES)
+def class_masks_bits(old: np.ndarray, changed_classes: np.ndarray, blocks: int, block: int) -> float:
+    """Estimated bits of a chunk's CLASS_MASKS bitmap: each class's changes (`changed_classes`: the magnitude
+    classes of the changed elements' old values) against its size, estimated from `blocks` evenly spaced runs of
+    `block` elements (contiguous runs read a few pages; a strided sample reads most of the chunk)."""
+    starts = np.linspace(0, max(old.size - block, 0), blocks).astype(np.int64) if old.size > blocks * block else [0]
+    sampled = np.zeros(CLASSES, np.float64)
+    for start in dict.fromkeys(int(x) for x in starts):
+        sampled += np.bincount(magnitude_class(old[start : start + block]), minlength=CLASSES)
+    changed = np.bincount(changed_classes, minlength=CLASSES).astype(np.float64)
+    total = np.maximum(sampled * (old.size / max(sampled.sum(), 1)), changed)
     p = np.divide(changed, total, out=np.zeros(CLASSES), where=total > 0)
     q = 1 - p
     entropy = -(p * np.log2(p, out=np.zeros(CLASSES), where=p > 0) + q * np.log2(q, out=np.zeros(CLASSES), where=q > 0))
-    return float((entropy * total).sum() * old.size / max(head.size, 1))
+    # zstd's Huffman stage codes bytes: a sparse bitmap costs it about twice its entropy
+    return float((np.minimum(2 * entropy, 1.0) * total).sum())
 
 
 def decode_class_masks(old: np.ndarray, table: np.ndarray, bitmap: np.ndarray, count: int, where: str) -> np.ndarray:

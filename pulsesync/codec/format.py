@@ -76,6 +76,9 @@ class ValueCoding(enum.IntEnum):
     # (v2, 2-byte floats) as EXP_PLANES, each negated where the old value is negative, as one
     # symbol byte (2 * the GAP_CODES code of |v| + sign) and |v|'s extra bits in a stream of their own
     EXP_CODES = 5
+    # (v2, HISTORY records of bf16) as EXP_CODES, each residual taken against the bf16 nearest
+    # 2 * old - prev (a float-space prediction) instead of the reference's ordered delta
+    PREDICTED_CODES = 6
 
     @property
     def packed(self) -> bool:
@@ -93,8 +96,9 @@ class PositionCoding(enum.IntEnum):
     CLASS_MASKS = 2
 
 
-V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES, ValueCoding.EXP_CODES)
-BY_CLASS = (ValueCoding.EXP_PLANES, ValueCoding.EXP_CODES)  # values stored sorted by the old values' magnitude class
+CODES = (ValueCoding.EXP_CODES, ValueCoding.PREDICTED_CODES)  # values as symbols and extra bits, folded by sign
+V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES, *CODES)
+BY_CLASS = (ValueCoding.EXP_PLANES, *CODES)  # values stored sorted by the old values' magnitude class
 CLASSES = 256  # magnitude classes: the 8 bits below the sign
 CLASS_NONE, CLASS_ALL, CLASS_MARKED = 0, 1, 2  # a CLASS_MASKS table entry
 V2_KINDS = (RecordKind.HISTORY,)
@@ -213,7 +217,7 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int,
 
 def values_len(coding: ValueCoding, width: int, n: int, value_escapes: int) -> int:
     """Bytes of n coded values: byte planes, 2-bit codes + escaped values' planes, or symbols + extra bits."""
-    if coding == ValueCoding.EXP_CODES:
+    if coding in CODES:
         return n + value_escapes
     return (n + 3) // 4 + width * value_escapes if coding.packed else width * n
 
@@ -227,7 +231,7 @@ def positions_len(h: RecordHeader, gaps: int) -> int:
 
 def escapes_per_value(coding: ValueCoding) -> int:
     """Most extra-bit bytes a value takes: EXP_CODES's MAX_GAP_BITS - 3 extra bits (other byte-plane codings: none)."""
-    return (MAX_GAP_BITS - 3 + 7) // 8 if coding == ValueCoding.EXP_CODES else 0
+    return (MAX_GAP_BITS - 3 + 7) // 8 if coding in CODES else 0
 
 
 def raw_len_for(h: RecordHeader) -> int:
@@ -358,6 +362,8 @@ def _check_record(h: RecordHeader) -> None:
         raise CorruptPatchError(f"{_label(h)}: CLASS_MASKS positions in a {h.kind.name} record of {h.info.name}")
     if h.coding == ValueCoding.EXP_CODES and not two_byte_float:
         raise CorruptPatchError(f"{_label(h)}: EXP_CODES coding for dtype {h.info.name} (2-byte floats only)")
+    if h.coding == ValueCoding.PREDICTED_CODES and not (h.kind == RecordKind.HISTORY and h.info.name == "BF16"):
+        raise CorruptPatchError(f"{_label(h)}: PREDICTED_CODES in a {h.kind.name} record of {h.info.name}")
     if h.kind == RecordKind.HISTORY:
         counts_fit = h.escapes <= escapes_per_gap * h.new_count and h.new_count <= h.count <= h.new_count + h.ref_count
         if h.coding not in V2_CODINGS or not counts_fit:

@@ -338,6 +338,69 @@ def _packed_delta(packed: Any, escapes: Any, i: int, k: int) -> tuple[Any, int]:
     return (v >> 1) ^ -(v & 1), k
 
 
+def _bf16_parts(bits: Any) -> tuple[Any, Any]:
+    """A finite bf16's (effective biased exponent, signed significand): value = significand * 2**(exponent - 134)."""
+    exponent = (bits >> 7) & 0xFF
+    significand = (bits & 0x7F) | 0x80 if exponent > 0 else bits & 0x7F
+    return max(exponent, 1), -significand if bits & 0x8000 else significand
+
+
+def _predicted_offset(old: Any, reference_delta: Any) -> Any:
+    """PREDICTED_CODES: how far, in ordered steps, the bf16 nearest 2 * old - prev is from old (0 where unpredicted).
+
+    prev = the value reference_delta ordered steps below old (the value before the reference step).
+    2 * old - prev is computed exactly in integers and rounded to bf16 once, ties to even: every
+    encoder and decoder gets the same bits, whatever its floating-point environment. Old stays
+    the prediction where reference_delta is 0 (a new position), either value is not finite, or
+    their exponents are more than 30 apart.
+    """
+    if reference_delta == 0:
+        return np.int64(0)
+    o = np.int64(old) & 0xFFFF
+    ordered = np.int64(np.int16(o)) ^ ((np.int64(np.int16(o)) >> 15) & 0x7FFF)
+    p = ((ordered - reference_delta + 32768) & 0xFFFF) - 32768  # prev, ordered
+    p = (p ^ ((p >> 15) & 0x7FFF)) & 0xFFFF
+    if (o & 0x7F80) == 0x7F80 or (p & 0x7F80) == 0x7F80:
+        return np.int64(0)
+    eo, mo = _bf16_parts(o)
+    ep, mp = _bf16_parts(p)
+    if abs(eo - ep) > 30:
+        return np.int64(0)
+    low = min(eo, ep)
+    total = 2 * (mo << (eo - low)) - (mp << (ep - low))
+    magnitude = abs(total)
+    if magnitude == 0:
+        predicted = np.int64(0)
+    else:
+        length = np.int64(math.frexp(float(magnitude))[1])  # exact: below 2**41
+        exponent = low + length - 8
+        shift = length - 8 if exponent >= 1 else 1 - low  # subnormal results keep the exponent 1 scale
+        if shift > 0:
+            q = magnitude >> shift
+            rest = magnitude & ((np.int64(1) << shift) - 1)
+            half = np.int64(1) << (shift - 1)
+            if rest > half or (rest == half and q & 1):
+                q += 1
+        else:
+            q = magnitude << -shift
+        if exponent >= 1:
+            if q == 256:
+                q, exponent = np.int64(128), exponent + 1
+            predicted = np.int64(0x7F80) if exponent >= 255 else (exponent << 7) | (q & 0x7F)
+        else:
+            predicted = q  # a subnormal (or, rounded up to 128, the smallest normal)
+        if total < 0:
+            predicted |= 0x8000
+    s = np.int64(np.int16(predicted))
+    return ((s ^ ((s >> 15) & 0x7FFF)) - ordered + 32768) % 65536 - 32768
+
+
+def _predicted_offsets(old: Any, reference_deltas: Any, out: Any) -> None:
+    """out[i] = _predicted_offset(old[i], reference_deltas[i]) (bits.predicted_offsets)."""
+    for i in range(old.size):
+        out[i] = _predicted_offset(old[i], reference_deltas[i])
+
+
 def _write(chunk: Any, p: Any, delta: Any, i: int, old_out: Any, new_bits: Any) -> None:
     """chunk[p] moved by delta ordered steps; its old bits to old_out[i], its new ones to new_bits[i] (if kept)."""
     old = chunk[p]
@@ -467,7 +530,8 @@ def _apply_planes_2byte(
     """
     n = positions.size
     next_in_class = np.zeros(257, np.int64)
-    raw, fold = coding == _RAW, coding == _EXP_CODES
+    raw, predicted = coding == _RAW, coding == _PREDICTED_CODES
+    fold = predicted or coding == _EXP_CODES
     by_class = fold or coding == _EXP_PLANES
     if by_class:
         for i in range(n):
@@ -497,7 +561,7 @@ def _apply_planes_2byte(
             if fold and old < 0:
                 delta = -delta
         if ref_deltas.size:
-            delta += np.int32(ref_deltas[i])
+            delta += _predicted_offset(old, ref_deltas[i]) if predicted else np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
         _write(chunk, p, delta, i, old_out, new_bits)
         deltas_out[i] = delta
@@ -550,7 +614,8 @@ HISTORY_BITMAP_MISMATCH = 6  # the reference bitmap does not mark count - new_co
 HISTORY_REPEATS = 7  # a new position repeats one of the reference's
 _GAP_CODES = int(PositionCoding.GAP_CODES)  # (numba compares plain ints)
 _RAW, _DELTA, _EXP_PLANES = int(ValueCoding.RAW), int(ValueCoding.DELTA), int(ValueCoding.EXP_PLANES)
-_EXP_CODES, _CLASS_MASKS = int(ValueCoding.EXP_CODES), int(PositionCoding.CLASS_MASKS)
+_EXP_CODES, _PREDICTED_CODES = int(ValueCoding.EXP_CODES), int(ValueCoding.PREDICTED_CODES)
+_CLASS_MASKS = int(PositionCoding.CLASS_MASKS)
 _HISTORY = int(RecordKind.HISTORY)
 
 
@@ -696,7 +761,7 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
 
 def _value_planes(payloads: Any, at: int, n: int, extra_bytes: int, coding: int) -> tuple[int, Any]:
     """A record's values as the byte planes _apply_planes_2byte reads (EXP_CODES decoded into them); a status."""
-    if coding != _EXP_CODES:
+    if coding != _EXP_CODES and coding != _PREDICTED_CODES:
         return POSITIONS_OK, payloads[at : at + 2 * n]
     planes = np.empty(2 * n, np.uint8)
     return _value_code_planes(payloads, at, n, extra_bytes, planes), planes
@@ -719,6 +784,8 @@ if numba is not None:  # the kernels call these compiled, inlined
     _add_ordered = numba.njit(inline="always")(_add_ordered)
     _packed_delta = numba.njit(inline="always", boundscheck=False)(_packed_delta)
     _write = numba.njit(inline="always", boundscheck=False)(_write)
+    _bf16_parts = numba.njit(inline="always")(_bf16_parts)
+    _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()
 apply_delta_2byte: Callable[..., None] | None = _njit(_apply_delta_2byte) if _njit else None
@@ -730,6 +797,7 @@ encode_value_codes: Callable[[Any, Any, Any, Any, Any], int] | None = _njit(_enc
 apply_planes_2byte: Callable[..., None] | None = _njit(_apply_planes_2byte) if _njit else None
 merge_history: Callable[..., bool] | None = _njit(_merge_history) if _njit else None
 class_positions: Callable[[Any, Any, Any, Any], int] | None = _njit(_class_positions) if _njit else None
+predicted_offsets: Callable[[Any, Any, Any], None] | None = _njit(_predicted_offsets) if _njit else None
 # The batch kernel calls the others compiled (numba resolves these globals when it compiles it).
 _k: Any = _njit or (lambda f: None)
 _decode_positions_k: Any = decode_positions
@@ -758,6 +826,7 @@ def warm_up() -> None:
         return
     assert apply_delta_2byte and decode_positions and count_escape_codes and decode_gap_codes and encode_gap_codes
     assert apply_planes_2byte and merge_history and apply_batch and encode_value_codes and class_positions
+    assert predicted_offsets
     # Payload buffers are read-only views of the decompressed bytes: numba compiles those apart.
     planes, escapes, positions = np.frombuffer(bytes(2), np.uint8), np.zeros(0, np.uint64), np.zeros(1, np.int64)
     decode_positions(planes, 1, escapes, 1, positions)
@@ -767,6 +836,7 @@ def warm_up() -> None:
     chunk, old, deltas = np.zeros(1, np.int16), np.empty(1, np.int16), np.empty(1, np.int16)
     encode_value_codes(deltas, old, positions, np.empty(1, np.uint8), np.empty(3, np.uint8))
     class_positions(chunk, np.zeros(CLASSES, np.uint8), planes[:0], positions[:0])
+    predicted_offsets(old, deltas, np.empty(1, np.int16))
     for lanes in (np.zeros(2, np.uint64), np.zeros(0, np.uint64)):
         apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
         apply_planes_2byte(chunk, positions, planes, _EXP_PLANES, np.empty(0, np.int16), old, deltas, 0, lanes)

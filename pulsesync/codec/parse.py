@@ -17,6 +17,7 @@ import zstandard
 from pulsesync.codec import bits, fused
 from pulsesync.codec.format import (
     CLASSES,
+    CODES,
     FORMAT_VERSION,
     V2_CODINGS,
     PatchHeader,
@@ -179,10 +180,10 @@ def decode_planes(planes: np.ndarray, h: RecordHeader) -> np.ndarray:
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
     """n coded values (signed ints of the dtype's width) from byte planes or packed codes.
 
-    PLANES and EXP_PLANES values come back as signed deltas (unzigzagged), EXP_CODES values as
-    they are stored (folded by the old values' signs), in stored order.
+    PLANES and EXP_PLANES values come back as signed deltas (unzigzagged), EXP_CODES and
+    PREDICTED_CODES values as they are stored (folded by the old values' signs), in stored order.
     """
-    if h.coding == ValueCoding.EXP_CODES:
+    if h.coding in CODES:
         return bits.decode_value_codes(buf[:n], buf[n : n + h.value_escapes], where)
     if h.coding in V2_CODINGS:  # SPARSE and HISTORY records only: n is h.count
         return decode_planes(buf, h)
