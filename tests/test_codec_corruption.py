@@ -141,8 +141,8 @@ def test_version_and_magic(pair, patch) -> None:
     base, _ = pair
     _expect(CorruptPatchError, base, b"NOTAPATCH" + patch[9:], "magic")
     bumped = bytearray(patch)
-    bumped[8] = 3  # format version u16 at offset 8; the header checksum is checked after the version
-    _expect(UnsupportedVersionError, base, bytes(bumped), "version 3")
+    bumped[8] = 4  # format version u16 at offset 8; the header checksum is checked after the version
+    _expect(UnsupportedVersionError, base, bytes(bumped), "version 4")
 
 
 def test_trailing_bytes(pair, patch) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +33,7 @@ from pulsesync.codec import (
 )
 from pulsesync.codec.baseline import pulse_encode, pulse_wire
 from pulsesync.codec.format import RECORD_FIXED_V2, PositionCoding, parse_header
-from pulsesync.errors import MissingReferenceError, PulseSyncError
+from pulsesync.errors import CorruptPatchError, MissingReferenceError, PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.retention import RetentionPolicy, RetentionWorker
@@ -325,6 +326,34 @@ def test_format_1_is_written_on_request_and_read_by_format_2() -> None:
         assert parsed is not None and parsed[2] == 1
         assert {k for k, _, _ in _kinds(patch)} <= {RecordKind.SPARSE, RecordKind.DENSE}
         assert_states_equal(_apply(old, patch, None)[0], new)
+
+
+def test_format_2_is_written_on_request_without_the_codings_of_format_3() -> None:
+    """Fleets whose subscribers read format 2 get no CLASS_MASKS, EXP_CODES or PREDICTED_CODES; a format-2
+    patch that holds one is refused (an older subscriber refuses the version instead, clearly)."""
+    states = _real_like_states(3)
+    params = CodecParams(format_version=2)
+    first = encode(states[0], states[1], params)
+    second = encode(states[1], states[2], params, reference=first.history)
+    for old, new, patch, reference in (
+        (states[0], states[1], first.data, None),
+        (states[1], states[2], second.data, first.history),
+    ):
+        parsed = parse_header(patch)
+        assert parsed is not None and parsed[2] == 2
+        kinds = _kinds(patch)
+        assert not {c for _, c, _ in kinds} & {ValueCoding.EXP_CODES, ValueCoding.PREDICTED_CODES}
+        assert PositionCoding.CLASS_MASKS not in {p for _, _, p in kinds}
+        assert_states_equal(_apply(old, patch, reference)[0], new)
+    newest = encode(states[0], states[1]).data
+    assert parse_header(newest)[2] == 3 and PositionCoding.CLASS_MASKS in {p for _, _, p in _kinds(newest)}  # type: ignore[index]
+    relabelled = bytearray(newest)
+    relabelled[8:10] = (2).to_bytes(2, "little")  # the preamble's version, its checksum fixed below
+    header_len = int.from_bytes(newest[12:16], "little")
+    end = 16 + header_len
+    relabelled[end : end + 8] = xxhash.xxh3_64_intdigest(bytes(relabelled[:end])).to_bytes(8, "little")
+    with pytest.raises(CorruptPatchError, match="format 2"):
+        apply_patch({n: t.clone() for n, t in states[0].items()}, bytes(relabelled))
 
 
 def test_history_coding_beats_stateless_on_the_real_like_workload() -> None:

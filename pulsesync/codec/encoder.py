@@ -191,7 +191,7 @@ def _class_masks(params: CodecParams, chunk: _Chunk, positions: np.ndarray) -> _
     positions as one bit each already, and skip the scan.
     """
     info = chunk.info
-    if params.format_version < 2 or not (info.is_float and info.width == 2):
+    if params.format_version < 3 or not (info.is_float and info.width == 2):
         return None
     old = bits.host(chunk.old)
     estimate = bits.class_masks_bits(old, bits.magnitude_class(old[positions]), *CLASS_MASKS_SAMPLE)
@@ -278,7 +278,7 @@ def _sorted_values(
     values on a real LLM). EXP_PLANES lost to it on every record of the real LLM and won 0.9% on
     the synthetic workload: not worth a second compression. Wider floats: EXP_PLANES; others: PLANES.
     """
-    if classes is None or order is None or values.dtype.itemsize != 2:
+    if classes is None or order is None or values.dtype.itemsize != 2 or params.format_version < 3:
         planes = bits.plane_list(zigzags if order is None else zigzags[order])
         return _section(params, "values", planes, **_planes(order))
     symbols, extra = bits.encode_value_codes(values, old, order)
@@ -336,6 +336,7 @@ def _history_coding(
     # bf16: each residual against the bf16 nearest 2 * old - prev, which follows a move across
     # binades and zero that ordered deltas cannot (13% smaller values on the real LLM).
     codes = ValueCoding.PREDICTED_CODES if sparse.info.name == "BF16" else ValueCoding.EXP_CODES
+    codes = codes if params.format_version >= 3 else ValueCoding.EXP_PLANES
     if codes == ValueCoding.PREDICTED_CODES:
         ref_deltas = bits.predicted_offsets(old, ref_deltas)
     residuals = bits.wrapping_sub(deltas, ref_deltas)

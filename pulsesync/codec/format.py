@@ -24,8 +24,8 @@ from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
 
 MAGIC = b"PULSEPT\x00"
-FORMAT_VERSION = 2  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
-SUPPORTED_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
+SUPPORTED_VERSIONS = (1, 2, 3)
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_CHECKSUM = struct.Struct("<Q")
 RECORD_MAGIC = b"PR"
@@ -33,7 +33,7 @@ RECORD_MAGIC = b"PR"
 RECORD_FIXED_V1 = struct.Struct("<2sBBBBHQQQQQQQQ")
 # version 2 appends ref_count new_count (HISTORY records; zero in every other kind) and the position coding
 RECORD_FIXED_V2 = struct.Struct("<2sBBBBHQQQQQQQQQQB")
-RECORD_FIXED = {1: RECORD_FIXED_V1, 2: RECORD_FIXED_V2}
+RECORD_FIXED = {1: RECORD_FIXED_V1, 2: RECORD_FIXED_V2, 3: RECORD_FIXED_V2}  # version 3 adds codings, no fields
 RECORD_CHECKSUM = struct.Struct("<I")
 
 # Sanity limits: generous for any real model, small enough that a lying header cannot make the
@@ -313,6 +313,7 @@ def parse_record_header(
         or rcoding is None
         or rpositions is None
         or (version == 1 and (kind in V2_KINDS or coding in V2_CODINGS))
+        or (version == 2 and (coding in CODES or position_coding == PositionCoding.CLASS_MASKS))
     ):
         raise CorruptPatchError(
             f"record for tensor {name!r}: unknown record kind {kind}, value coding {coding} or position coding "

@@ -170,27 +170,28 @@ def _decode_gap_codes(codes: Any, extra: Any, length: int, out: Any) -> int:
     return POSITIONS_OK
 
 
+def _length_code(value: Any, extra: Any, acc: Any, have: int, k: int) -> tuple[Any, Any, int, int]:
+    """The GAP_CODES code of a non-negative value, its extra bits appended to extra (acc, have, k: the bit writer)."""
+    if value < GAP_DIRECT:
+        return value, acc, have, k
+    nbits = math.frexp(float(value))[1] - 3  # bit length - 3 (exact: values are far below 2**53)
+    acc |= (value & ((np.int64(1) << nbits) - 1)) << have
+    have += nbits
+    while have >= 8:
+        extra[k] = acc & 0xFF
+        acc >>= 8
+        have -= 8
+        k += 1
+    return GAP_DIRECT + 4 * (nbits - 1) + ((value >> nbits) & 3), acc, have, k
+
+
 def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
     """GAP_CODES of sorted positions into codes (one per position) and extra (bytes); the bytes of extra used."""
-    acc = np.int64(0)
-    have = 0
-    k = 0
+    acc, have, k = np.int64(0), 0, 0
     previous = np.int64(-1)
     for i in range(positions.size):
-        gap = positions[i] - previous - 1
+        codes[i], acc, have, k = _length_code(positions[i] - previous - 1, extra, acc, have, k)
         previous = positions[i]
-        if gap < GAP_DIRECT:
-            codes[i] = gap
-            continue
-        nbits = math.frexp(float(gap))[1] - 3  # bit length - 3 (exact: gaps are far below 2**53)
-        codes[i] = GAP_DIRECT + 4 * (nbits - 1) + ((gap >> nbits) & 3)
-        acc |= (gap & ((np.int64(1) << nbits) - 1)) << have
-        have += nbits
-        while have >= 8:
-            extra[k] = acc & 0xFF
-            acc >>= 8
-            have -= 8
-            k += 1
     if have > 0:
         extra[k] = acc
         k += 1
@@ -263,28 +264,15 @@ def _value_code_planes(payloads: Any, at: int, n: int, extra_bytes: int, planes:
 
 def _encode_value_codes(values: Any, old: Any, order: Any, symbols: Any, extra: Any) -> int:
     """EXP_CODES of 2-byte values (bits.encode_value_codes) in one pass; the bytes of extra used."""
-    acc = np.int64(0)
-    have = 0
-    k = 0
+    acc, have, k = np.int64(0), 0, 0
     for i in range(order.size):
         j = order[i]
         v = np.int64(values[j])
         if old[j] < 0:
             v = ((32768 - v) & 0xFFFF) - 32768  # -v, wrapping at 16 bits
         sign = 1 if v < 0 else 0
-        m = -v if sign else v
-        if m < GAP_DIRECT:
-            symbols[i] = 2 * m + sign
-            continue
-        nbits = math.frexp(float(m))[1] - 3
-        symbols[i] = 2 * (GAP_DIRECT + 4 * (nbits - 1) + ((m >> nbits) & 3)) + sign
-        acc |= (m & ((np.int64(1) << nbits) - 1)) << have
-        have += nbits
-        while have >= 8:
-            extra[k] = acc & 0xFF
-            acc >>= 8
-            have -= 8
-            k += 1
+        code, acc, have, k = _length_code(-v if sign else v, extra, acc, have, k)
+        symbols[i] = 2 * code + sign
     if have > 0:
         extra[k] = acc
         k += 1
@@ -785,6 +773,7 @@ if numba is not None:  # the kernels call these compiled, inlined
     _packed_delta = numba.njit(inline="always", boundscheck=False)(_packed_delta)
     _write = numba.njit(inline="always", boundscheck=False)(_write)
     _bf16_parts = numba.njit(inline="always")(_bf16_parts)
+    _length_code = numba.njit(inline="always", boundscheck=False)(_length_code)
     _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()

@@ -17,13 +17,16 @@ class CodecParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format_version: Literal[1, 2] = Field(
-        2, description="patch format to write: 2 (default); 1 for fleets with subscribers before 0.2"
+    format_version: Literal[1, 2, 3] = Field(
+        3,
+        description="patch format to write: 3 (default); 2 for fleets with subscribers before CLASS_MASKS, "
+        "EXP_CODES and PREDICTED_CODES; 1 for fleets with subscribers before 0.2",
     )
     value_coding: ValueCodingName = Field(
         "adaptive",
-        description="adaptive (format 2): per record the smallest of the codings below, PLANES, EXP_PLANES "
-        "and HISTORY (delta under format 1); delta: 2-bit codes of the ordered bit-pattern difference; "
+        description="adaptive (format 2+): per record the smallest of the codings below, PLANES, EXP_PLANES "
+        "(format 3: EXP_CODES, PREDICTED_CODES, CLASS_MASKS) and HISTORY (delta under format 1); "
+        "delta: 2-bit codes of the ordered bit-pattern difference; "
         "raw: the new values themselves, as the PULSE paper stores them; xor: new XOR old",
     )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level; 1 is the speed/ratio sweet spot")
