@@ -160,6 +160,9 @@ async def test_a_bad_link_is_never_served_and_the_next_anchor_recovers(
     assert (result.path, result.step) == ("slow", 10)
     assert_serving(sub, 10)
     assert (tmp_path / "out" / "current").resolve().name == "step-000000000010"
+    # Healthy the moment it serves a verified state, not once the daemon's loop gets back to it
+    # (a /healthz read in between said unhealthy: the hardening test's deadline case saw it).
+    assert sub.status.consecutive_failures == 0
 
 
 async def test_a_sink_failure_on_the_fast_path_rolls_the_state_back(
