@@ -174,28 +174,26 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
         return replace(_encode_dense(params, chunk, count), digest_change=_digest_change(params, chunk, None, old, new))
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
-    masks = _class_masks(params, chunk, positions) if reference is None else None
-    return _sparse_record(params, chunk, length, positions, old_values, new_values, reference, masks)
+    return _sparse_record(params, chunk, length, positions, old_values, new_values, reference)
 
 
 CLASS_MASKS_SAMPLE = (8, 2048)  # _class_masks estimates the bitmap from 8 runs of 2,048 elements of the chunk
 CLASS_MASKS_GAIN = 1.5  # and codes it only if it would be this much smaller than the gaps' ~8 bits a change
 
 
-def _class_masks(params: CodecParams, chunk: _Chunk, positions: np.ndarray) -> _Section | None:
-    """CLASS_MASKS positions of a self-contained chunk of 2-byte floats, where a sample says they pay.
+def _class_masks(params: CodecParams, chunk: _Chunk, positions: np.ndarray, classes: np.ndarray) -> _Section | None:
+    """CLASS_MASKS positions of a chunk of 2-byte floats (`classes`: the changed elements' magnitude classes),
+    where a sample says they pay.
 
     Their decoder scans the chunk's old values (O(chunk), not O(changes)): worth it only where
     the changed elements are nearly whole magnitude classes, as in the first patch after an
-    anchor of a bf16 fine-tune (docs/benchmarks.md). Patches with a reference code recurring
-    positions as one bit each already, and skip the scan.
+    anchor of a bf16 fine-tune (docs/benchmarks.md).
     """
     info = chunk.info
     if params.format_version < 3 or not (info.is_float and info.width == 2):
         return None
     old = bits.host(chunk.old)
-    estimate = bits.class_masks_bits(old, bits.magnitude_class(old[positions]), *CLASS_MASKS_SAMPLE)
-    if estimate * CLASS_MASKS_GAIN > 8 * positions.size:
+    if bits.class_masks_bits(old, classes, *CLASS_MASKS_SAMPLE) * CLASS_MASKS_GAIN > 8 * positions.size:
         return None
     table, bitmap = bits.encode_class_masks(old, positions)
     masks = [table.tobytes(), bitmap]
@@ -210,15 +208,15 @@ def _sparse_record(
     old_values: torch.Tensor,
     new_values: torch.Tensor,
     reference: ChunkHistory | None,
-    class_masks: _Section | None = None,
 ) -> _Record:
-    """SPARSE or HISTORY record of the changed elements at chunk-relative `positions` of a chunk of `length`."""
+    """SPARSE or HISTORY record of the changed elements at chunk-relative `positions` of a chunk of `length`.
+
+    `chunk` holds the chunk's old and new values, or none (a sharded piece's strided record).
+    """
     info, count = chunk.info, positions.size
     fields = (chunk.name, info, chunk.shape)
     change = _digest_change(params, chunk, positions, old_values, new_values)
     position = _position_coding(params, positions)
-    if class_masks is not None:
-        position = _smallest([position, class_masks])
     if not params.adaptive:
         coding = params.coding
         coded = bits.host(bits.encode_values(old_values, new_values, info, coding))
@@ -232,6 +230,10 @@ def _sparse_record(
     old_host = bits.host(old_values)
     classes = bits.magnitude_class(old_host) if info.is_float and info.width >= 2 else None
     order = np.argsort(classes, kind="stable") if classes is not None else None  # (bits.magnitude_order)
+    # A record with a reference codes recurring positions in a bit each already: no chunk scan.
+    if reference is None and classes is not None and chunk.old.numel() == length:
+        masks = _class_masks(params, chunk, positions, classes)
+        position = position if masks is None else _smallest([position, masks])
     values = [
         _value_section(params, deltas, ValueCoding.DELTA, offset=1),
         _section(params, "values", bits.plane_list(bits.host(new_values)), coding=ValueCoding.RAW),
@@ -273,16 +275,16 @@ def _sorted_values(
 ) -> _Section:
     """Signed values (ordered deltas, or HISTORY residuals) by the old values' magnitude class where `order` is given.
 
-    2-byte floats: EXP_CODES, the symbols of each long run of one class ending a zstd block (the
-    classes' moves differ by orders of magnitude: a Huffman table per class measured 3% smaller
-    values on a real LLM). EXP_PLANES lost to it on every record of the real LLM and won 0.9% on
-    the synthetic workload: not worth a second compression. Wider floats: EXP_PLANES; others: PLANES.
+    2-byte floats (format 3): `codes` (EXP_CODES, or PREDICTED_CODES for residuals against a
+    prediction), each class of CODES_BLOCK values or more in zstd blocks of its own (the classes'
+    moves differ by orders of magnitude: a Huffman table per class measured 3% smaller values on
+    a real LLM). EXP_PLANES was smaller on no record of the real LLM: not worth compressing too.
+    Wider floats and format 2: EXP_PLANES; other dtypes: PLANES.
     """
     if classes is None or order is None or values.dtype.itemsize != 2 or params.format_version < 3:
         planes = bits.plane_list(zigzags if order is None else zigzags[order])
         return _section(params, "values", planes, **_planes(order))
     symbols, extra = bits.encode_value_codes(values, old, order)
-    # Each class of CODES_BLOCK values or more gets zstd blocks of its own (small ones share them).
     counts = np.bincount(classes, minlength=CLASSES)
     ends = np.cumsum(counts)
     big = np.flatnonzero(counts >= CODES_BLOCK).tolist()
