@@ -305,6 +305,45 @@ def test_gap_codes_kernel_matches_the_numpy_decoder(positions: list[int], length
         assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
 
 
+@pytest.mark.skipif(fused.encode_value_codes is None, reason="numba is not installed")
+@given(
+    values=st.lists(st.integers(-(2**15), 2**15 - 1), max_size=80),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_value_codes_are_the_same_bytes_on_both_paths_and_decode_back(values: list[int], seed: int) -> None:
+    """EXP_CODES: folded by the old values' signs, taken in their order; numba's and numpy's bytes are equal."""
+    rng = np.random.default_rng(seed)
+    signed = np.array(values, np.int16)
+    old = rng.integers(-(2**15), 2**15, signed.size).astype(np.int16)
+    order = rng.permutation(signed.size).astype(np.int64)
+    symbols, extra = bits.encode_value_codes(signed, old, order)
+    fused.enabled = False
+    try:
+        numpy_symbols, numpy_extra = bits.encode_value_codes(signed, old, order)
+    finally:
+        fused.enabled = True
+    assert np.array_equal(symbols, numpy_symbols) and extra == numpy_extra
+    decoded = bits.decode_value_codes(symbols, np.frombuffer(extra, np.uint8), "record")
+    assert np.array_equal(decoded, bits.fold_by_sign(signed, old)[order])
+
+
+@given(
+    classes=st.lists(st.integers(0, 5), min_size=1, max_size=300),
+    changed=st.lists(st.booleans(), min_size=300, max_size=300),
+)
+def test_class_masks_decode_to_their_positions_on_both_paths(classes: list[int], changed: list[bool]) -> None:
+    """Any chunk and any change set: CLASS_MASKS decode back to exactly the changed positions, both paths alike."""
+    old = (np.array(classes, np.int16) + 100) << 7  # magnitude classes 100..105, mantissa 0
+    positions = np.flatnonzero(np.array(changed[: old.size]))
+    if not positions.size:
+        return
+    table, bitmap = bits.encode_class_masks(old, positions)
+    decoded = _same_on_both_paths(
+        lambda: bits.decode_class_masks(old, table, np.frombuffer(bitmap, np.uint8), positions.size, "record")
+    )
+    assert isinstance(decoded, np.ndarray) and decoded.tolist() == positions.tolist()
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["numba-if-installed", "numpy"])
 def test_escape_count_is_checked_the_same_on_both_paths(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "enabled", fused.enabled and kernels)

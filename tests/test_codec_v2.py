@@ -28,6 +28,7 @@ from pulsesync.codec import (
     apply_patch,
     bits,
     encode,
+    encode_part,
     fused,
     read_header,
 )
@@ -37,6 +38,7 @@ from pulsesync.errors import CorruptPatchError, MissingReferenceError, PulseSync
 from pulsesync.protocol import layout
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.retention import RetentionPolicy, RetentionWorker
+from pulsesync.sharding import Piece
 from pulsesync.store import Store
 from pulsesync.synthetic import real_like_trainer
 from tests.support.helpers import assert_states_equal, publisher_config
@@ -380,6 +382,13 @@ def test_the_first_patch_after_an_anchor_codes_magnitude_classes() -> None:
     changed = int((old.view(torch.int16) != new.view(torch.int16)).sum())
     assert encoded.wire["positions"] * 8 < 0.5 * changed  # gaps: ~8 bits a position
     assert_states_equal(_apply({"t": old}, encoded.data, None)[0], {"t": new})
+    # Its decoder scans the chunk: never in a patch with a reference, nor in a sharded step's part
+    # (both come every step, and the fast path stays O(patch)).
+    reference = encode({"t": new}, {"t": old}).history
+    assert "CLASS_MASKS" not in "".join(encode({"t": old}, {"t": new}, reference=reference).codings)
+    piece = {"t": Piece("t", 0, old.numel(), tuple(old.shape), "BF16")}
+    part = encode_part({"t": old}, {"t": new}, piece, CodecParams(), part=0, base_root="", dense_bytes_total=0)
+    assert part.codings and "CLASS_MASKS" not in "".join(part.codings)
 
 
 def test_the_wire_breakdown_adds_up_and_separates_positions_from_values() -> None:

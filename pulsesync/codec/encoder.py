@@ -158,7 +158,9 @@ class _Chunk:
         return (self.name, self.start, self.old.numel())
 
 
-def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | None) -> _Record | None:
+def _encode_chunk(
+    params: CodecParams, chunk: _Chunk, reference: ChunkHistory | None, by_classes: bool = False
+) -> _Record | None:
     """SPARSE, HISTORY or DENSE record for one chunk of flat bits, or None when it is unchanged.
 
     Format 2 picks the smallest position coding and (adaptive) value coding, each part compressed
@@ -174,7 +176,7 @@ def _encode_chunk(params: CodecParams, chunk: _Chunk, reference: ChunkHistory | 
         return replace(_encode_dense(params, chunk, count), digest_change=_digest_change(params, chunk, None, old, new))
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
-    return _sparse_record(params, chunk, length, positions, old_values, new_values, reference)
+    return _sparse_record(params, chunk, length, positions, old_values, new_values, reference, by_classes)
 
 
 CLASS_MASKS_SAMPLE = (8, 2048)  # _class_masks estimates the bitmap from 8 runs of 2,048 elements of the chunk
@@ -208,10 +210,12 @@ def _sparse_record(
     old_values: torch.Tensor,
     new_values: torch.Tensor,
     reference: ChunkHistory | None,
+    by_classes: bool = False,
 ) -> _Record:
     """SPARSE or HISTORY record of the changed elements at chunk-relative `positions` of a chunk of `length`.
 
-    `chunk` holds the chunk's old and new values, or none (a sharded piece's strided record).
+    `chunk` holds the chunk's old and new values, or none (a sharded piece's strided record);
+    `by_classes`: its positions may be coded as CLASS_MASKS (the first patch after an anchor).
     """
     info, count = chunk.info, positions.size
     fields = (chunk.name, info, chunk.shape)
@@ -230,8 +234,7 @@ def _sparse_record(
     old_host = bits.host(old_values)
     classes = bits.magnitude_class(old_host) if info.is_float and info.width >= 2 else None
     order = np.argsort(classes, kind="stable") if classes is not None else None  # (bits.magnitude_order)
-    # A record with a reference codes recurring positions in a bit each already: no chunk scan.
-    if reference is None and classes is not None and chunk.old.numel() == length:
+    if by_classes and classes is not None and chunk.old.numel() == length:
         masks = _class_masks(params, chunk, positions, classes)
         position = position if masks is None else _smallest([position, masks])
     values = [
@@ -413,7 +416,9 @@ def encode(
     """Lossless patch turning `base` into `new`, and its history.
 
     With `reference` (the history of the patch that produced `base`), a record may be
-    history-coded against it where that is smaller (format 2, adaptive coding). Without
+    history-coded against it where that is smaller (format 2, adaptive coding). Without it (the
+    first patch after an anchor) positions may be coded by magnitude class (CLASS_MASKS, format
+    3), whose decoder scans each chunk: never in a patch with a reference, nor in a part. Without
     `new_digest`, an incremental digest algorithm updates `base_digest` from the changed elements
     (O(patch)); any other hashes the changed tensors.
     """
@@ -441,7 +446,7 @@ def encode(
             tasks.append(partial(_encode_whole, params, RecordKind.REPLACE, name, new[name]))
             whole.append(name)
         else:
-            tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference))
+            tasks.extend(_chunk_tasks(params, name, base[name], new[name], reference, by_classes=reference is None))
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
@@ -596,8 +601,12 @@ def _chunk_tasks(
     reference: PatchHistory | None,
     offset: int = 0,
     shape: tuple[int, ...] | None = None,
+    by_classes: bool = False,
 ) -> list[Callable[[], _Record | None]]:
-    """One task per chunk; a piece of a larger tensor (sharded) starts at `offset` of a tensor of `shape`."""
+    """One task per chunk; a piece of a larger tensor (sharded) starts at `offset` of a tensor of `shape`.
+
+    `by_classes`: a record may code its positions as CLASS_MASKS.
+    """
     if old_t.device != new_t.device:
         new_t = new_t.to(old_t.device)
     info = dtype_info(old_t.dtype)
@@ -607,4 +616,4 @@ def _chunk_tasks(
         _Chunk(name, info, shape, offset + s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)
     ]
     refs = reference.chunks if reference is not None else {}
-    return [partial(_encode_chunk, params, c, refs.get(c.key)) for c in chunks]
+    return [partial(_encode_chunk, params, c, refs.get(c.key), by_classes) for c in chunks]
