@@ -6,6 +6,7 @@ publisher and subscribers on the store fixture (a real filesystem and moto's S3 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Iterator
@@ -150,8 +151,9 @@ def test_a_patch_is_never_larger_than_the_pulse_default_plus_its_framing(
     assert len(patch) <= len(pulse_encode(base, target)) + framing
 
 
+@functools.cache  # built once per process (~0.7 s): the tests below only read it (they apply to clones)
 def _coverage_patches() -> list[tuple[State, bytes, PatchHistory | None]]:
-    """Patches that hold, between them, every format-2 record kind and coding."""
+    """Patches that hold, between them, every record kind and coding of formats 2 and 3."""
     states = _real_like_states(4)
     out: list[tuple[State, bytes, PatchHistory | None]] = []
     reference = None
