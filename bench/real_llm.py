@@ -207,10 +207,10 @@ def step_statistics(before: State, old: State, new: State) -> dict[str, float]:
 def coding_leads(states: list[State], step: int) -> dict[str, float]:
     """Bits per change a step's order-0 entropies say a coding could reach (docs/benchmarks.md).
 
-    Positions as one bitmap per magnitude class of the old value (format 2 has it since: CLASS_MASKS);
-    values given the class, given the old bits; and a HISTORY residual against the previous step's
-    delta in ordered integers (today's) or in float space (new = old + (old - previous) in fp32,
-    rounded to bf16: not in format 2).
+    Positions as one bitmap per magnitude class of the old value (format 3's CLASS_MASKS); values
+    given the class, given the old bits; and a HISTORY residual against the previous step's delta in
+    ordered integers (format 2's) or in float space (new = old + (old - previous), rounded to bf16:
+    format 3's PREDICTED_CODES).
     """
     from codec import entropy_bits, ordered  # bench/codec.py (which imports this module at its top)
 

@@ -237,16 +237,17 @@ def _apply_deltas(
     old = chunk.index_select(0, index)
     deltas = record.values if record.planes is None else decode_planes(record.planes, h)
     assert deltas is not None
+    old_bits = bits.host(old)
     if h.coding in BY_CLASS:  # stored sorted by the old values' magnitude class
         in_order = np.empty_like(deltas)
-        in_order[bits.magnitude_order(bits.host(old))] = deltas
+        in_order[bits.magnitude_order(old_bits)] = deltas
         deltas = in_order
     if h.coding in CODES:  # stored negated where the old value is negative
-        deltas = bits.fold_by_sign(deltas, bits.host(old))
+        deltas = bits.fold_by_sign(deltas, old_bits)
     if record.ref_deltas is not None:
         reference = record.ref_deltas
         if h.coding == ValueCoding.PREDICTED_CODES:  # residuals against a float-space prediction
-            reference = bits.predicted_offsets(bits.host(old), reference)
+            reference = bits.predicted_offsets(old_bits, reference)
         deltas = bits.wrapping_add(deltas, reference)
     before = old.clone() if undo is not None or lanes is not None else old
     if undo is not None:

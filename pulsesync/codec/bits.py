@@ -393,7 +393,8 @@ def encode_value_codes(values: np.ndarray, old: np.ndarray, order: np.ndarray) -
 
 
 def decode_value_codes(symbols: np.ndarray, extra: np.ndarray, where: str) -> np.ndarray:
-    """Inverse of encode_value_codes, as int16 (wrapping), checking every symbol and the stream's size and padding."""
+    """EXP_CODES symbols and extra bits -> the values as stored (folded, in stored order), int16 (wrapping);
+    every symbol and the stream's size and padding checked. The caller unfolds and un-permutes them."""
     try:
         magnitudes = _decode_length_codes(symbols >> 1, extra, _VALUE_CODE_INVALID, _VALUE_EXTRA_MISMATCH)
     except CorruptPatchError as e:

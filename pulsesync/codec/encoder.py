@@ -230,7 +230,6 @@ def _sparse_record(
         return replace(record, digest_change=change)
     deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
     history = ((chunk.name, chunk.start, length), ChunkHistory(positions, deltas))
-    zigzags = bits.zigzag(deltas)
     old_host = bits.host(old_values)
     classes = bits.magnitude_class(old_host) if info.is_float and info.width >= 2 else None
     order = np.argsort(classes, kind="stable") if classes is not None else None  # (bits.magnitude_order)
@@ -240,7 +239,7 @@ def _sparse_record(
     values = [
         _value_section(params, deltas, ValueCoding.DELTA, offset=1),
         _section(params, "values", bits.plane_list(bits.host(new_values)), coding=ValueCoding.RAW),
-        _sorted_values(params, deltas, zigzags, old_host, classes, order),
+        _sorted_values(params, deltas, old_host, classes, order),
     ]
     value = _smallest(values)
     head = RecordHeader(RecordKind.SPARSE, *fields, ValueCoding.DELTA, chunk.start, length, count)
@@ -270,7 +269,6 @@ CODES_BLOCK = 4096  # EXP_CODES: a magnitude class of this many values gets zstd
 def _sorted_values(
     params: CodecParams,
     values: np.ndarray,
-    zigzags: np.ndarray,
     old: np.ndarray,
     classes: np.ndarray | None,
     order: np.ndarray | None,
@@ -285,6 +283,7 @@ def _sorted_values(
     Wider floats and format 2: EXP_PLANES; other dtypes: PLANES.
     """
     if classes is None or order is None or values.dtype.itemsize != 2 or params.format_version < 3:
+        zigzags = bits.zigzag(values)
         planes = bits.plane_list(zigzags if order is None else zigzags[order])
         return _section(params, "values", planes, **_planes(order))
     symbols, extra = bits.encode_value_codes(values, old, order)
@@ -345,12 +344,11 @@ def _history_coding(
     if codes == ValueCoding.PREDICTED_CODES:
         ref_deltas = bits.predicted_offsets(old, ref_deltas)
     residuals = bits.wrapping_sub(deltas, ref_deltas)
-    zigzags = bits.zigzag(residuals)
     fresh = positions[~recurring]
     head = replace(sparse, kind=RecordKind.HISTORY, ref_count=ref_positions.size, new_count=fresh.size)
     bitmap = _section(params, "positions", [np.packbits(again, bitorder="little").tobytes()])
     position = _position_coding(params, fresh)
-    value = _sorted_values(params, residuals, zigzags, old, classes, order, codes)
+    value = _sorted_values(params, residuals, old, classes, order, codes)
     return bitmap.size + position.size + value.size, head, [bitmap, position, value]
 
 

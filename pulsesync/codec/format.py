@@ -73,10 +73,10 @@ class ValueCoding(enum.IntEnum):
     XOR = 2  # new bits XOR old bits, packed
     PLANES = 3  # (v2) zigzag of the ordered difference, full width, in byte planes
     EXP_PLANES = 4  # (v2, floats) as PLANES, the values sorted (stably) by the old value's top magnitude byte
-    # (v2, 2-byte floats) as EXP_PLANES, each negated where the old value is negative, as one
+    # (v3, 2-byte floats) as EXP_PLANES, each negated where the old value is negative, as one
     # symbol byte (2 * the GAP_CODES code of |v| + sign) and |v|'s extra bits in a stream of their own
     EXP_CODES = 5
-    # (v2, HISTORY records of bf16) as EXP_CODES, each residual taken against the bf16 nearest
+    # (v3, HISTORY records of bf16) as EXP_CODES, each residual taken against the bf16 nearest
     # 2 * old - prev (a float-space prediction) instead of the reference's ordered delta
     PREDICTED_CODES = 6
 
@@ -91,7 +91,7 @@ class PositionCoding(enum.IntEnum):
 
     GAPS16 = 0  # u16 gaps in two byte planes; gaps >= ESCAPE also in full in a u64 escape list (format 1)
     GAP_CODES = 1  # (v2) one byte per gap: its bit length and top bits; its low bits in an extra-bits stream
-    # (v2, SPARSE records of 2-byte floats) per magnitude class of the old values: none, every
+    # (v3, SPARSE records of 2-byte floats) per magnitude class of the old values: none, every
     # element, or those a bitmap marks changed (the decoder scans the chunk's old values)
     CLASS_MASKS = 2
 
@@ -143,9 +143,8 @@ class RecordHeader:
     start: int = 0
     length: int = 0
     count: int = 0  # changed elements (END: number of records before it)
-    escapes: int = (
-        0  # GAPS16: gaps too large for u16; GAP_CODES: bytes of the extra-bits stream; CLASS_MASKS: of the bitmap
-    )
+    # GAPS16: gaps too large for u16; GAP_CODES: bytes of the extra-bits stream; CLASS_MASKS: of the bitmap
+    escapes: int = 0
     value_escapes: int = 0  # packed values too large for a 2-bit code; EXP_CODES: bytes of the extra-bits stream
     raw_len: int = 0
     comp_len: int = 0
