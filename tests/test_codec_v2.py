@@ -302,12 +302,70 @@ def test_predicted_offsets_agree_on_both_paths_and_with_float_arithmetic(seed: i
 
 
 def _offsets_without_numba(old: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    return np.asarray(_without_numba(bits.predicted_offsets, old, deltas))
+
+
+def _without_numba(fn: Any, *args: Any) -> Any:
     enabled = fused.enabled
     fused.enabled = False
     try:
-        return bits.predicted_offsets(old, deltas)
+        return fn(*args)
     finally:
         fused.enabled = enabled
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([np.uint8, np.int16, np.int32, np.int64]),
+    size=st.integers(0, 300),
+    skew=st.integers(0, 7),
+)
+def test_changed_positions_agree_on_both_paths(seed: int, dtype: type[np.integer], size: int, skew: int) -> None:
+    """The encoder's diff: numba's word-at-a-time kernel and numpy find the same positions, for every element
+    width, at any alignment (a slice `skew` elements in) and with a tail shorter than a word."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    old = rng.integers(info.min, info.max, size + skew, dtype=dtype, endpoint=True)
+    new = old.copy()
+    flips = rng.random(new.size) < rng.choice([0.0, 0.01, 0.3, 1.0])
+    new[flips] ^= np.array(1, dtype) << rng.integers(0, 8 * old.itemsize, int(flips.sum())).astype(dtype)
+    old, new = old[skew:], new[skew:]
+    expected = np.flatnonzero(old != new)
+    assert np.array_equal(bits.changed_positions(old, new), expected)
+    assert np.array_equal(_without_numba(bits.changed_positions, old, new), expected)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), overlap=st.floats(0, 1))
+def test_matching_a_reference_agrees_on_both_paths(seed: int, overlap: float) -> None:
+    """A HISTORY record's match against its reference: the same recurring bitmap, aligned deltas and new
+    positions from numba's merge and numpy's binary search."""
+    rng = np.random.default_rng(seed)
+    ref_positions = np.unique(rng.integers(0, 5000, rng.integers(0, 800)))
+    recurring = ref_positions[rng.random(ref_positions.size) < overlap]
+    positions = np.unique(np.concatenate([recurring, rng.integers(0, 5000, rng.integers(0, 800))]))
+    ref_deltas = rng.integers(-(2**15), 2**15, ref_positions.size).astype(np.int16)
+    got = bits.match_reference(positions, ref_positions, ref_deltas)
+    want = _without_numba(bits.match_reference, positions, ref_positions, ref_deltas)
+    again = np.isin(ref_positions, positions)
+    assert np.array_equal(want[0], again) and np.array_equal(want[2], positions[~np.isin(positions, ref_positions)])
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_new_values_simpler_than_their_moves_are_stored_raw() -> None:
+    """A prune (5% of the weights set to zero) is coded as RAW values, weighed only where their entropy says
+    they might pay: the patch is far smaller than the moves to zero would be."""
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(1 << 16, generator=gen).to(torch.bfloat16)
+    pruned = torch.where(torch.rand(1 << 16, generator=gen) < 0.05, torch.zeros_like(old), old)
+    encoded = encode({"t": old}, {"t": pruned})
+    assert encoded.codings == {"SPARSE/RAW/GAP_CODES": 1}
+    assert encoded.wire["values"] < 100  # ~3,300 zeros
+    work = {"t": old.clone()}
+    apply_patch(work, encoded.data)
+    assert torch.equal(work["t"].view(torch.int16), pruned.view(torch.int16))
 
 
 def test_a_history_coded_patch_needs_its_reference() -> None:

@@ -7,7 +7,7 @@ import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
@@ -57,7 +57,8 @@ class _Record:
     history: tuple[ChunkKey, ChunkHistory] | None = None
     coding: str = ""  # "KIND/CODING", for the manifest's summary
     wire: Counter[str] = field(default_factory=Counter)  # bytes of `data` by role (see EncodedPatch.wire)
-    digest_change: tuple[str, tuple[int, int]] | None = None  # (tensor, how its mixsum lanes moved)
+    # (tensor, how its mixsum lanes moved): computed only where the new digest is not known
+    digest_change: tuple[str, Callable[[], tuple[int, int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,20 @@ def _compress(params: CodecParams, parts: list[bytes]) -> tuple[bytes, list[int]
     A block's Huffman tables then fit one part (a byte plane, the gap codes) instead of a mix
     (measured 3% smaller on real-like patches).
     """
-    raw_len = sum(len(p) for p in parts)
+    raw_len = sum(map(len, parts))
     if not raw_len:
         return b"", [0] * len(parts)
     stream = _compressor(params.zstd_level).compressobj(size=raw_len)
-    out, sizes = [], []
+    out: list[bytes] = []
+    sizes: list[int] = []
     for part in parts:
-        written = [stream.compress(part), stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)] if part else []
-        out += written
-        sizes.append(sum(len(w) for w in written))
-    frame = b"".join([*out, stream.flush()])
+        if part:
+            out += (stream.compress(part), stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            sizes.append(len(out[-2]) + len(out[-1]))
+        else:
+            sizes.append(0)
+    out.append(stream.flush())
+    frame = b"".join(out)
     first = next(i for i, size in enumerate(sizes) if size)  # its blocks came out behind the frame header
     sizes[first] -= zstandard.frame_header_size(frame)
     return frame, sizes
@@ -118,13 +123,22 @@ def _smallest(sections: list[_Section]) -> _Section:
     return min(sections, key=lambda section: section.size)
 
 
-def _record(params: CodecParams, head: RecordHeader, sections: list[_Section]) -> _Record:
-    """Compress a record's sections and prepend its header (fields set; sizes and payload hash filled in)."""
+def _record(
+    params: CodecParams,
+    sections: list[_Section],
+    history: tuple[ChunkKey, ChunkHistory] | None = None,
+    digest_change: tuple[str, Callable[[], tuple[int, int]]] | None = None,
+    **fields: Any,
+) -> _Record:
+    """Compress a record's sections and prepend its header: `fields` and the sections' fields, its sizes
+    and payload hash filled in."""
     parts = [part for section in sections for part in section.parts]
-    raw_len = raw_len_for(head)
-    assert raw_len == sum(len(p) for p in parts)
+    for section in sections:
+        fields |= section.fields
     payload, part_sizes = _compress(params, parts)
-    head = replace(head, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
+    raw_len = sum(map(len, parts))
+    head = RecordHeader(**fields, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
+    assert raw_len == raw_len_for(head)
     data = encode_record_header(head, params.format_version) + payload
     coding = f"{head.kind.name}/{head.coding.name}"
     if params.format_version >= 2 and head.kind in (RecordKind.SPARSE, RecordKind.HISTORY):
@@ -134,7 +148,20 @@ def _record(params: CodecParams, head: RecordHeader, sections: list[_Section]) -
     for section in sections:
         wire[section.role] += sum(next(sizes) for _ in section.parts)
     wire["framing"] = len(data) - sum(wire.values())
-    return _Record(data, head.count, raw_len, coding=coding, wire=wire)
+    return _Record(data, head.count, raw_len, history, coding, wire, digest_change)
+
+
+def _chunk_fields(chunk: _Chunk, kind: RecordKind, length: int, count: int) -> dict[str, Any]:
+    """A chunk record's header fields that say which elements it covers."""
+    return {
+        "kind": kind,
+        "name": chunk.name,
+        "dtype": chunk.info,
+        "shape": chunk.shape,
+        "start": chunk.start,
+        "length": length,
+        "count": count,
+    }
 
 
 def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
@@ -173,7 +200,7 @@ def _encode_chunk(
     if count == 0:
         return None
     if count * (2 + info.width) >= length * info.width:
-        return replace(_encode_dense(params, chunk, count), digest_change=_digest_change(params, chunk, None, old, new))
+        return _encode_dense(params, chunk, count)
     index = torch.from_numpy(positions).to(old.device)
     old_values, new_values = old.index_select(0, index), new.index_select(0, index)
     return _sparse_record(params, chunk, length, positions, old_values, new_values, reference, by_classes)
@@ -217,17 +244,14 @@ def _sparse_record(
     `chunk` holds the chunk's old and new values, or none (a sharded piece's strided record);
     `by_classes`: its positions may be coded as CLASS_MASKS (the first patch after an anchor).
     """
-    info, count = chunk.info, positions.size
-    fields = (chunk.name, info, chunk.shape)
+    info = chunk.info
+    fields = _chunk_fields(chunk, RecordKind.SPARSE, length, positions.size)
     change = _digest_change(params, chunk, positions, old_values, new_values)
     position = _position_coding(params, positions)
     if not params.adaptive:
         coding = params.coding
         coded = bits.host(bits.encode_values(old_values, new_values, info, coding))
-        value = _value_section(params, coded, coding, offset=1)
-        head = RecordHeader(RecordKind.SPARSE, *fields, coding, chunk.start, length, count)
-        record = _record(params, replace(head, **position.fields, **value.fields), [position, value])
-        return replace(record, digest_change=change)
+        return _record(params, [position, _value_section(params, coded, coding, offset=1)], None, change, **fields)
     deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
     history = ((chunk.name, chunk.start, length), ChunkHistory(positions, deltas))
     old_host = bits.host(old_values)
@@ -236,31 +260,31 @@ def _sparse_record(
     if by_classes and classes is not None and chunk.old.numel() == length:
         masks = _class_masks(params, chunk, positions, classes)
         position = position if masks is None else _smallest([position, masks])
-    values = [
-        _value_section(params, deltas, ValueCoding.DELTA, offset=1),
-        _section(params, "values", bits.plane_list(bits.host(new_values)), coding=ValueCoding.RAW),
-        _sorted_values(params, deltas, old_host, classes, order),
-    ]
-    value = _smallest(values)
-    head = RecordHeader(RecordKind.SPARSE, *fields, ValueCoding.DELTA, chunk.start, length, count)
-    best = (position.size + value.size, head, [position, value])
+    value = _smallest(
+        [
+            _value_section(params, deltas, ValueCoding.DELTA, offset=1),
+            _sorted_values(params, deltas, old_host, classes, order),
+        ]
+    )
+    raw = bits.plane_list(bits.host(new_values))
+    if bits.entropy_bytes(raw) < RAW_TRY * value.size:  # new values simpler than their moves (a reset, a prune)
+        value = _smallest([value, _section(params, "values", raw, coding=ValueCoding.RAW)])
+    sections = [position, value]
     if reference is not None and reference.deltas.dtype == deltas.dtype:
-        history_coded = _history_coding(params, head, positions, deltas, reference, old_host, classes, order)
-        best = min(best, history_coded, key=lambda c: c[0])
-    _, head, sections = best
-    for section in sections:
-        head = replace(head, **section.fields)
-    record = _record(params, head, sections)
-    return replace(record, history=history, digest_change=change)
+        history_coded = _history_coding(params, info, positions, deltas, reference, old_host, classes, order)
+        if sum(s.size for s in history_coded) < position.size + value.size:
+            sections = history_coded
+            fields |= {"kind": RecordKind.HISTORY, "ref_count": reference.positions.size}
+    return _record(params, sections, history, change, **fields)
 
 
 def _digest_change(
     params: CodecParams, chunk: _Chunk, positions: np.ndarray | None, old: torch.Tensor, new: torch.Tensor
-) -> tuple[str, tuple[int, int]] | None:
+) -> tuple[str, Callable[[], tuple[int, int]]] | None:
     """How a chunk record moves its tensor's digest, where that is updated from it (an incremental algorithm)."""
     if params.digest_algorithm not in INCREMENTAL:
         return None
-    return chunk.name, lane_change(old, new, chunk.start, positions)
+    return chunk.name, partial(lane_change, old, new, chunk.start, positions)
 
 
 CODES_BLOCK = 4096  # EXP_CODES: a magnitude class of this many values gets zstd blocks (Huffman tables) of its own
@@ -300,72 +324,66 @@ def _planes(order: np.ndarray | None) -> dict[str, Any]:
     return {"coding": ValueCoding.PLANES if order is None else ValueCoding.EXP_PLANES}
 
 
+GAPS16_TRY = 1024  # GAPS16 is weighed against GAP_CODES only in records of this many changes or fewer
+RAW_TRY = 1.25  # RAW values are compressed (weighed) only where their order-0 entropy is below this x the best's size
+
+
 def _position_coding(params: CodecParams, positions: np.ndarray) -> _Section:
-    """The positions as u16 gaps (format 1) or, format 2, the smaller of that and gap codes."""
-    gaps, escapes = bits.encode_positions(positions)
-    gaps16 = [*bits.plane_list(gaps), escapes.astype("<u8").tobytes()]
-    if params.format_version < 2:
-        return _section(params, "positions", gaps16, escapes=escapes.size)
+    """The positions as u16 gaps (format 1) or, format 2, gap codes, or the smaller of both in a small record.
+
+    GAPS16 was smaller in no record of over 400 changes (synthetic, real-like and a real LLM's
+    patches), and by 0.1% of their bytes at most: weighing it in larger ones cost ~8% of encode time.
+    """
+    if params.format_version < 2 or positions.size <= GAPS16_TRY:
+        gaps, escapes = bits.encode_positions(positions)
+        gaps16 = _section(
+            params, "positions", [*bits.plane_list(gaps), escapes.astype("<u8").tobytes()], escapes=escapes.size
+        )
+        if params.format_version < 2:
+            return gaps16
+        gaps16.fields["positions"] = PositionCoding.GAPS16
     codes, extra = bits.encode_gap_codes(positions)
-    return _smallest(
-        [
-            _section(params, "positions", gaps16, escapes=escapes.size, positions=PositionCoding.GAPS16),
-            _section(
-                params, "positions", [codes.tobytes(), extra], escapes=len(extra), positions=PositionCoding.GAP_CODES
-            ),
-        ]
+    gap_codes = _section(
+        params, "positions", [codes.tobytes(), extra], escapes=len(extra), positions=PositionCoding.GAP_CODES
     )
+    return gap_codes if positions.size > GAPS16_TRY else _smallest([gaps16, gap_codes])
 
 
 def _history_coding(
     params: CodecParams,
-    sparse: RecordHeader,
+    info: DTypeInfo,
     positions: np.ndarray,
     deltas: np.ndarray,
     reference: ChunkHistory,
     old: np.ndarray,
     classes: np.ndarray | None,
     order: np.ndarray | None,
-) -> tuple[int, RecordHeader, list[_Section]]:
-    """The HISTORY record's size, header and sections: which reference positions changed again (a
-    bitmap), the new ones' gaps, and each value as the difference to its reference delta (0 where
-    new), or for bf16 to its prediction (PREDICTED_CODES)."""
-    ref_positions = reference.positions
-    at = np.minimum(np.searchsorted(ref_positions, positions), max(ref_positions.size - 1, 0))
-    recurring = ref_positions[at] == positions if ref_positions.size else np.zeros(positions.size, bool)
-    again = np.zeros(ref_positions.size, bool)
-    again[at[recurring]] = True
-    ref_deltas = np.zeros_like(deltas)
-    ref_deltas[recurring] = reference.deltas[at[recurring]]
+) -> list[_Section]:
+    """The HISTORY record's sections: which reference positions changed again (a bitmap), the new
+    ones' gaps, and each value as the difference to its reference delta (0 where new), or for
+    bf16 to its prediction (PREDICTED_CODES)."""
+    again, ref_deltas, fresh = bits.match_reference(positions, reference.positions, reference.deltas)
     # bf16: each residual against the bf16 nearest 2 * old - prev, which follows a move across
     # binades and zero that ordered deltas cannot (13% smaller values on the real LLM).
-    codes = ValueCoding.PREDICTED_CODES if sparse.info.name == "BF16" else ValueCoding.EXP_CODES
+    codes = ValueCoding.PREDICTED_CODES if info.name == "BF16" else ValueCoding.EXP_CODES
     codes = codes if params.format_version >= 3 else ValueCoding.EXP_PLANES
     if codes == ValueCoding.PREDICTED_CODES:
         ref_deltas = bits.predicted_offsets(old, ref_deltas)
     residuals = bits.wrapping_sub(deltas, ref_deltas)
-    fresh = positions[~recurring]
-    head = replace(sparse, kind=RecordKind.HISTORY, ref_count=ref_positions.size, new_count=fresh.size)
-    bitmap = _section(params, "positions", [np.packbits(again, bitorder="little").tobytes()])
-    position = _position_coding(params, fresh)
-    value = _sorted_values(params, residuals, old, classes, order, codes)
-    return bitmap.size + position.size + value.size, head, [bitmap, position, value]
+    bitmap = _section(params, "positions", [np.packbits(again, bitorder="little").tobytes()], new_count=fresh.size)
+    return [bitmap, _position_coding(params, fresh), _sorted_values(params, residuals, old, classes, order, codes)]
 
 
 def _encode_dense(params: CodecParams, chunk: _Chunk, count: int) -> _Record:
     """DENSE record: every element coded (unchanged ones code to zero); adaptive: the smaller of DELTA and RAW."""
-    info, length = chunk.info, chunk.old.numel()
+    fields = _chunk_fields(chunk, RecordKind.DENSE, chunk.old.numel(), count)
+    change = _digest_change(params, chunk, None, chunk.old, chunk.new)
     codings = [params.coding] if not params.adaptive else [ValueCoding.DELTA, ValueCoding.RAW]
-    best: _Record | None = None
-    for coding in codings:
-        coded = bits.host(bits.encode_values(chunk.old, chunk.new, info, coding))
-        value = _value_section(params, coded, coding, offset=0)
-        head = RecordHeader(RecordKind.DENSE, chunk.name, info, chunk.shape, coding, chunk.start, length, count)
-        record = _record(params, replace(head, **value.fields), [value])
-        if best is None or len(record.data) < len(best.data):
-            best = record
-    assert best is not None
-    return best
+    values = [
+        _value_section(params, bits.host(bits.encode_values(chunk.old, chunk.new, chunk.info, c)), c, offset=0)
+        for c in codings
+    ]
+    return _record(params, [_smallest(values)], digest_change=change, **fields)
 
 
 def _value_section(params: CodecParams, coded: np.ndarray, coding: ValueCoding, offset: int) -> _Section:
@@ -383,8 +401,9 @@ def _value_section(params: CodecParams, coded: np.ndarray, coding: ValueCoding, 
 def _encode_whole(params: CodecParams, kind: RecordKind, name: str, t: torch.Tensor) -> _Record:
     """ADD or REPLACE record: the full tensor, raw bits."""
     values = bits.host(flat_bits(t))
-    head = RecordHeader(kind, name, dtype_info(t.dtype), tuple(t.shape), ValueCoding.RAW, 0, values.size, values.size)
-    return _record(params, head, [_section(params, "values", bits.plane_list(values))])
+    section = _section(params, "values", bits.plane_list(values), coding=ValueCoding.RAW)
+    info, shape, n = dtype_info(t.dtype), tuple(t.shape), values.size
+    return _record(params, [section], kind=kind, name=name, dtype=info, shape=shape, length=n, count=n)
 
 
 def encode_patch(
@@ -448,7 +467,7 @@ def encode(
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
-        moved = [r.digest_change for r in records if r.digest_change is not None]
+        moved = [(name, change()) for name, change in (r.digest_change for r in records if r.digest_change)]
         new_digest = update_digest(base_digest, new, moved, whole)
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
     coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
@@ -508,8 +527,8 @@ def encode_part(
     lanes: dict[str, tuple[int, int]] = {}
     for r in records:
         if r.digest_change is not None:
-            name, moved = r.digest_change
-            lanes[name] = mixsum.add(lanes.get(name, (0, 0)), moved)
+            name, change = r.digest_change
+            lanes[name] = mixsum.add(lanes.get(name, (0, 0)), change())
     data, codings, wire = _assemble(params, records, base_root, "", dense_bytes_total, part=part)
     return EncodedPart(data, codings, wire, sum(r.changed for r in records), lanes)
 

@@ -173,19 +173,45 @@ def _decode_gap_codes(codes: Any, extra: Any, length: int, out: Any) -> int:
     return POSITIONS_OK
 
 
-def _length_code(value: Any, extra: Any, acc: Any, have: int, k: int) -> tuple[Any, Any, int, int]:
-    """The GAP_CODES code of a non-negative value, its extra bits appended to extra (acc, have, k: the bit writer)."""
-    if value < GAP_DIRECT:
-        return value, acc, have, k
-    nbits = math.frexp(float(value))[1] - 3  # bit length - 3 (exact: values are far below 2**53)
-    acc |= (value & ((np.int64(1) << nbits) - 1)) << have
-    have += nbits
-    while have >= 8:
+_BIT_LENGTH = np.array([v.bit_length() for v in range(4096)], np.int64)  # of the values most gaps and moves take
+
+
+def _bit_length(value: Any) -> Any:
+    """int.bit_length of a non-negative value below 2**53 (a table lookup for most, else frexp, exact there)."""
+    return _BIT_LENGTH[value] if value < _BIT_LENGTH.size else math.frexp(float(value))[1]
+
+
+def _extra_bits(value: Any) -> Any:
+    """Low bits of a non-negative value its GAP_CODES code leaves to the extra-bits stream (0 below GAP_DIRECT)."""
+    return _bit_length(value) - 3 if value >= GAP_DIRECT else 0
+
+
+def _length_code(value: Any, nbits: Any) -> Any:
+    """The GAP_CODES code of a non-negative value of _extra_bits(value) = nbits."""
+    return GAP_DIRECT + 4 * (nbits - 1) + ((value >> nbits) & 3) if nbits else value
+
+
+def _store4(extra: Any, k: int, acc: Any) -> None:
+    """extra[k:k + 4] = the low 32 bits of the bit writer's acc, little-endian.
+
+    The writers (_encode_gap_codes, _encode_value_codes) keep acc, have (its bits) and k (the
+    bytes written) in their own loops: returned from an inlined helper as a tuple, they measured
+    3x slower.
+    """
+    extra[k] = acc & 0xFF
+    extra[k + 1] = (acc >> 8) & 0xFF
+    extra[k + 2] = (acc >> 16) & 0xFF
+    extra[k + 3] = (acc >> 24) & 0xFF
+
+
+def _flush_bits(extra: Any, acc: Any, have: int, k: int) -> int:
+    """Store the bit writer's last bits (the last byte zero-padded); the bytes of extra used."""
+    while have > 0:
         extra[k] = acc & 0xFF
         acc >>= 8
         have -= 8
         k += 1
-    return GAP_DIRECT + 4 * (nbits - 1) + ((value >> nbits) & 3), acc, have, k
+    return k
 
 
 def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
@@ -193,12 +219,60 @@ def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
     acc, have, k = np.int64(0), 0, 0
     previous = np.int64(-1)
     for i in range(positions.size):
-        codes[i], acc, have, k = _length_code(positions[i] - previous - 1, extra, acc, have, k)
+        gap = positions[i] - previous - 1
         previous = positions[i]
-    if have > 0:
-        extra[k] = acc
-        k += 1
-    return k
+        nbits = _extra_bits(gap)
+        acc |= (gap & ((np.int64(1) << nbits) - 1)) << have
+        have += nbits
+        if have >= 32:
+            _store4(extra, k, acc)
+            acc >>= 32
+            have -= 32
+            k += 4
+        codes[i] = _length_code(gap, nbits)
+    return _flush_bits(extra, acc, have, k)
+
+
+def _changed_words_kernel(lanes: int) -> Callable[[Any, Any, Any], int]:
+    """The kernel for elements `lanes` to a 64-bit word (compiled apart for each: its lane loop unrolls)."""
+    width = np.uint64(64 // lanes)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 64 // lanes)
+
+    def changed_words(old: Any, new: Any, out: Any) -> int:
+        """Positions (in elements) where two arrays of words differ, into out; how many.
+
+        One pass at memory speed: a word is compared whole and split into lanes only where it
+        differs (some 1% of them in an RL patch).
+        """
+        n = 0
+        for w in range(old.size):
+            x = old[w] ^ new[w]
+            if x:
+                for lane in range(lanes):
+                    if (x >> (width * np.uint64(lane))) & mask:
+                        out[n] = w * lanes + lane
+                        n += 1
+        return n
+
+    return changed_words
+
+
+def _match_reference(positions: Any, ref_positions: Any, ref_deltas: Any, again: Any, aligned: Any, fresh: Any) -> int:
+    """bits.match_reference in one merge of the two sorted position lists; how many positions are fresh."""
+    j = 0
+    n = 0
+    for i in range(positions.size):
+        p = positions[i]
+        while j < ref_positions.size and ref_positions[j] < p:
+            j += 1
+        if j < ref_positions.size and ref_positions[j] == p:
+            again[j] = True
+            aligned[i] = ref_deltas[j]
+        else:
+            aligned[i] = 0
+            fresh[n] = p
+            n += 1
+    return n
 
 
 def _class_positions(chunk: Any, table: Any, bitmap: Any, out: Any) -> int:
@@ -274,12 +348,17 @@ def _encode_value_codes(values: Any, old: Any, order: Any, symbols: Any, extra: 
         if old[j] < 0:
             v = ((32768 - v) & 0xFFFF) - 32768  # -v, wrapping at 16 bits
         sign = 1 if v < 0 else 0
-        code, acc, have, k = _length_code(-v if sign else v, extra, acc, have, k)
-        symbols[i] = 2 * code + sign
-    if have > 0:
-        extra[k] = acc
-        k += 1
-    return k
+        magnitude = -v if sign else v
+        nbits = _extra_bits(magnitude)
+        acc |= (magnitude & ((np.int64(1) << nbits) - 1)) << have
+        have += nbits
+        if have >= 32:
+            _store4(extra, k, acc)
+            acc >>= 32
+            have -= 32
+            k += 4
+        symbols[i] = 2 * _length_code(magnitude, nbits) + sign
+    return _flush_bits(extra, acc, have, k)
 
 
 def _count_escape_codes(packed: Any, count: int) -> int:
@@ -776,7 +855,11 @@ if numba is not None:  # the kernels call these compiled, inlined
     _packed_delta = numba.njit(inline="always", boundscheck=False)(_packed_delta)
     _write = numba.njit(inline="always", boundscheck=False)(_write)
     _bf16_parts = numba.njit(inline="always")(_bf16_parts)
-    _length_code = numba.njit(inline="always", boundscheck=False)(_length_code)
+    _bit_length = numba.njit(inline="always", boundscheck=False)(_bit_length)
+    _extra_bits = numba.njit(inline="always")(_extra_bits)
+    _length_code = numba.njit(inline="always")(_length_code)
+    _store4 = numba.njit(inline="always", boundscheck=False)(_store4)
+    _flush_bits = numba.njit(inline="always", boundscheck=False)(_flush_bits)
     _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()
@@ -785,11 +868,16 @@ decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decod
 count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes) if _njit else None
 decode_gap_codes: Callable[[Any, Any, int, Any], int] | None = _njit(_decode_gap_codes) if _njit else None
 encode_gap_codes: Callable[[Any, Any, Any], int] | None = _njit(_encode_gap_codes) if _njit else None
+# Per element width (1, 2, 4, 8 bytes): the lanes of a 64-bit word.
+changed_words: dict[int, Callable[[Any, Any, Any], int]] = (
+    {w: _njit(_changed_words_kernel(8 // w)) for w in (1, 2, 4, 8)} if _njit else {}
+)
 encode_value_codes: Callable[[Any, Any, Any, Any, Any], int] | None = _njit(_encode_value_codes) if _njit else None
 apply_planes_2byte: Callable[..., None] | None = _njit(_apply_planes_2byte) if _njit else None
 merge_history: Callable[..., bool] | None = _njit(_merge_history) if _njit else None
 class_positions: Callable[[Any, Any, Any, Any], int] | None = _njit(_class_positions) if _njit else None
 predicted_offsets: Callable[[Any, Any, Any], None] | None = _njit(_predicted_offsets) if _njit else None
+match_reference: Callable[..., int] | None = _njit(_match_reference) if _njit else None
 # The batch kernel calls the others compiled (numba resolves these globals when it compiles it).
 _k: Any = _njit or (lambda f: None)
 _decode_positions_k: Any = decode_positions
@@ -818,17 +906,20 @@ def warm_up() -> None:
         return
     assert apply_delta_2byte and decode_positions and count_escape_codes and decode_gap_codes and encode_gap_codes
     assert apply_planes_2byte and merge_history and apply_batch and encode_value_codes and class_positions
-    assert predicted_offsets
+    assert predicted_offsets and changed_words and match_reference
     # Payload buffers are read-only views of the decompressed bytes: numba compiles those apart.
     planes, escapes, positions = np.frombuffer(bytes(2), np.uint8), np.zeros(0, np.uint64), np.zeros(1, np.int64)
     decode_positions(planes, 1, escapes, 1, positions)
     decode_gap_codes(planes[:1], planes[:0], 1, positions)
     encode_gap_codes(positions, np.empty(1, np.uint8), np.empty(5, np.uint8))
+    for kernel in changed_words.values():
+        kernel(np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.empty(8, np.int64))
     count_escape_codes(planes, 1)
     chunk, old, deltas = np.zeros(1, np.int16), np.empty(1, np.int16), np.empty(1, np.int16)
     encode_value_codes(deltas, old, positions, np.empty(1, np.uint8), np.empty(3, np.uint8))
     class_positions(chunk, np.zeros(CLASSES, np.uint8), planes[:0], positions[:0])
     predicted_offsets(old, deltas, np.empty(1, np.int16))
+    match_reference(positions, positions, deltas, np.zeros(1, bool), deltas.copy(), positions.copy())
     for lanes in (np.zeros(2, np.uint64), np.zeros(0, np.uint64)):
         apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
         apply_planes_2byte(chunk, positions, planes, _EXP_PLANES, np.empty(0, np.int16), old, deltas, 0, lanes)
