@@ -183,7 +183,9 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
     from pulsesync.integrations.trl import PulseSyncCallback, rollout_func
 
     model, tokenizer = launch_checkpoint(tmp_path)
-    engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log").start()
+    # Eager servers (the engine and the replays alike): updates reaching vLLM's compiled graphs are
+    # tests/test_vllm_engine.py's to check; here they would cost a minute of start-ups.
+    engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", eager=True).start()
     signing.write_keypair(tmp_path / "keys")
     daemon = start_subscriber(tmp_path, engine.url)
     references: list[VLLMServer] = []
@@ -250,7 +252,8 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
         lagged = [i for i, b in enumerate(batches) if b.lag == 1] or [len(batches) - 1]
         sample = {batches[lagged[-1]].policy.step: lagged[-1]}  # the newest lagged batch (else the last)
         for step in sorted({STEPS, *sample}):
-            references.append(VLLMServer(checkpoint_of(tmp_path, chain, step), tmp_path / f"ref-{step}.log").launch())
+            reference = VLLMServer(checkpoint_of(tmp_path, chain, step), tmp_path / f"ref-{step}.log", eager=True)
+            references.append(reference.launch())
         servers = {step: server for step, server in zip(sorted({STEPS, *sample}), references, strict=True)}
 
         flags = ["--store", (tmp_path / "store").as_uri(), "--trusted-key", str(tmp_path / "keys" / "publisher.pub")]

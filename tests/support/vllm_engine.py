@@ -32,10 +32,15 @@ EXTENSION = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
 
 
 class VLLMServer:
-    """One vLLM server process on 127.0.0.1 serving `model`; `url` once `start()` returned."""
+    """One vLLM server process on 127.0.0.1 serving `model`; `url` once `start()` returned.
 
-    def __init__(self, model: Path, log: Path, tensor_parallel: int = 1) -> None:
+    TP=1 servers run vLLM's default compiled model unless `eager` (tests/test_vllm_engine.py
+    checks updates reach the compiled graphs); TP>1 servers are always eager.
+    """
+
+    def __init__(self, model: Path, log: Path, tensor_parallel: int = 1, eager: bool = False) -> None:
         self.model, self.log, self.tensor_parallel = model, log, tensor_parallel
+        self.eager = eager or tensor_parallel > 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -71,8 +76,10 @@ class VLLMServer:
             str(64 << 20),
         ]
         argv += ["--worker-extension-cls", EXTENSION]
-        if self.tensor_parallel > 1:  # eager: half the start-up time of a compiled TP server here
-            argv += ["--tensor-parallel-size", str(self.tensor_parallel), "--enforce-eager"]
+        if self.tensor_parallel > 1:
+            argv += ["--tensor-parallel-size", str(self.tensor_parallel)]
+        if self.eager:  # half the start-up time of a compiled server here
+            argv += ["--enforce-eager"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
