@@ -14,7 +14,9 @@ the tensor (gather, then scatter: a cache and TLB miss each). Here:
   subscriber runs one per thread), GAP_CODES positions decoded in the apply loop itself;
 - format 3: `class_positions` decodes CLASS_MASKS in one pass over a chunk's old values,
   `encode_value_codes` / the batch's `_value_code_planes` code and decode EXP_CODES, and
-  `predicted_offsets` is PREDICTED_CODES' prediction (integer arithmetic, as bits' numpy version).
+  `predicted_offsets` is PREDICTED_CODES' prediction (integer arithmetic, as bits' numpy version);
+- the encoder's: `changed_words` diffs two chunks 64 bits at a time, `match_reference` merges a
+  record's positions with its reference's, `encode_gap_codes` writes GAP_CODES.
 Every position is checked before it is written, so a kernel only ever indexes inside its chunk.
 Without numba the numpy path runs: the results (errors included) are bit-identical, which the
 tests check by running both.
@@ -191,21 +193,25 @@ def _length_code(value: Any, nbits: Any) -> Any:
     return GAP_DIRECT + 4 * (nbits - 1) + ((value >> nbits) & 3) if nbits else value
 
 
-def _store4(extra: Any, k: int, acc: Any) -> None:
-    """extra[k:k + 4] = the low 32 bits of the bit writer's acc, little-endian.
+def _pack_bits(values: Any, nbits: Any, extra: Any) -> int:
+    """The low nbits[i] bits of each values[i], in order, lowest first, into extra (the last byte
+    zero-padded); the bytes used.
 
-    The writers (_encode_gap_codes, _encode_value_codes) keep acc, have (its bits) and k (the
-    bytes written) in their own loops: returned from an inlined helper as a tuple, they measured
-    3x slower.
+    Under 32 bits wait in acc, stored four bytes at a time: a writer whose state an inlined helper
+    returned as a tuple measured 3x slower.
     """
-    extra[k] = acc & 0xFF
-    extra[k + 1] = (acc >> 8) & 0xFF
-    extra[k + 2] = (acc >> 16) & 0xFF
-    extra[k + 3] = (acc >> 24) & 0xFF
-
-
-def _flush_bits(extra: Any, acc: Any, have: int, k: int) -> int:
-    """Store the bit writer's last bits (the last byte zero-padded); the bytes of extra used."""
+    acc, have, k = np.int64(0), 0, 0
+    for i in range(values.size):
+        acc |= (values[i] & ((np.int64(1) << nbits[i]) - 1)) << have
+        have += nbits[i]
+        if have >= 32:
+            extra[k] = acc & 0xFF
+            extra[k + 1] = (acc >> 8) & 0xFF
+            extra[k + 2] = (acc >> 16) & 0xFF
+            extra[k + 3] = (acc >> 24) & 0xFF
+            acc >>= 32
+            have -= 32
+            k += 4
     while have > 0:
         extra[k] = acc & 0xFF
         acc >>= 8
@@ -216,21 +222,14 @@ def _flush_bits(extra: Any, acc: Any, have: int, k: int) -> int:
 
 def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
     """GAP_CODES of sorted positions into codes (one per position) and extra (bytes); the bytes of extra used."""
-    acc, have, k = np.int64(0), 0, 0
+    gaps, nbits = np.empty(positions.size, np.int64), np.empty(positions.size, np.int64)
     previous = np.int64(-1)
     for i in range(positions.size):
-        gap = positions[i] - previous - 1
+        gaps[i] = positions[i] - previous - 1
         previous = positions[i]
-        nbits = _extra_bits(gap)
-        acc |= (gap & ((np.int64(1) << nbits) - 1)) << have
-        have += nbits
-        if have >= 32:
-            _store4(extra, k, acc)
-            acc >>= 32
-            have -= 32
-            k += 4
-        codes[i] = _length_code(gap, nbits)
-    return _flush_bits(extra, acc, have, k)
+        nbits[i] = _extra_bits(gaps[i])
+        codes[i] = _length_code(gaps[i], nbits[i])
+    return _pack_bits(gaps, nbits, extra)
 
 
 def _changed_words_kernel(lanes: int) -> Callable[[Any, Any, Any], int]:
@@ -341,24 +340,17 @@ def _value_code_planes(payloads: Any, at: int, n: int, extra_bytes: int, planes:
 
 def _encode_value_codes(values: Any, old: Any, order: Any, symbols: Any, extra: Any) -> int:
     """EXP_CODES of 2-byte values (bits.encode_value_codes) in one pass; the bytes of extra used."""
-    acc, have, k = np.int64(0), 0, 0
+    magnitudes, nbits = np.empty(order.size, np.int64), np.empty(order.size, np.int64)
     for i in range(order.size):
         j = order[i]
         v = np.int64(values[j])
         if old[j] < 0:
             v = ((32768 - v) & 0xFFFF) - 32768  # -v, wrapping at 16 bits
         sign = 1 if v < 0 else 0
-        magnitude = -v if sign else v
-        nbits = _extra_bits(magnitude)
-        acc |= (magnitude & ((np.int64(1) << nbits) - 1)) << have
-        have += nbits
-        if have >= 32:
-            _store4(extra, k, acc)
-            acc >>= 32
-            have -= 32
-            k += 4
-        symbols[i] = 2 * _length_code(magnitude, nbits) + sign
-    return _flush_bits(extra, acc, have, k)
+        magnitudes[i] = -v if sign else v
+        nbits[i] = _extra_bits(magnitudes[i])
+        symbols[i] = 2 * _length_code(magnitudes[i], nbits[i]) + sign
+    return _pack_bits(magnitudes, nbits, extra)
 
 
 def _count_escape_codes(packed: Any, count: int) -> int:
@@ -858,8 +850,7 @@ if numba is not None:  # the kernels call these compiled, inlined
     _bit_length = numba.njit(inline="always", boundscheck=False)(_bit_length)
     _extra_bits = numba.njit(inline="always")(_extra_bits)
     _length_code = numba.njit(inline="always")(_length_code)
-    _store4 = numba.njit(inline="always", boundscheck=False)(_store4)
-    _flush_bits = numba.njit(inline="always", boundscheck=False)(_flush_bits)
+    _pack_bits = numba.njit(boundscheck=False)(_pack_bits)
     _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()
