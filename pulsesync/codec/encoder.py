@@ -336,12 +336,11 @@ def _position_coding(params: CodecParams, positions: np.ndarray) -> _Section:
     """
     if params.format_version < 2 or positions.size <= GAPS16_TRY:
         gaps, escapes = bits.encode_positions(positions)
-        gaps16 = _section(
-            params, "positions", [*bits.plane_list(gaps), escapes.astype("<u8").tobytes()], escapes=escapes.size
-        )
+        coding = {"positions": PositionCoding.GAPS16} if params.format_version >= 2 else {}  # (format 1: no field)
+        planes = [*bits.plane_list(gaps), escapes.astype("<u8").tobytes()]
+        gaps16 = _section(params, "positions", planes, escapes=escapes.size, **coding)
         if params.format_version < 2:
             return gaps16
-        gaps16.fields["positions"] = PositionCoding.GAPS16
     codes, extra = bits.encode_gap_codes(positions)
     gap_codes = _section(
         params, "positions", [codes.tobytes(), extra], escapes=len(extra), positions=PositionCoding.GAP_CODES
