@@ -8,7 +8,8 @@ this machine (gloo, CPU); codec threads are 1 on every rank. Measured in the sam
 
   pipeline    per patch step: diff + encode + upload + commit (the whole-model publisher's
               encode_s + upload_s + commit_s; on N ranks, rank 0's part plus the gather, the
-              commit and the broadcast: the step's critical path)
+              commit and the broadcast: the step's critical path); each world is timed twice,
+              the faster median kept
   peak        each rank's peak resident memory while publishing (VmHWM, reset after the
               trainer's states are made and the codec's kernels compiled) over its shard's
               bytes, in a second run with MALLOC_MMAP_THRESHOLD_=131072 so freed buffers leave
@@ -221,6 +222,12 @@ def main() -> None:
     worlds = [int(w) for w in args.ranks.split(",")]
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-sharded-") as tmp:
         runs = {w: run(w, Path(tmp) / f"world-{w}", hidden, layers, steps) for w in worlds}
+        # Each world timed once more, after all the first runs, the faster median kept: a moment of
+        # noise on this 2-core VM slows a run of 2 ranks (each needs a core) far more than one of 1
+        # (a CI run measured 1.04x where the same commit measured 2.06x minutes later).
+        for w in worlds:
+            again = torchrun(w, Path(tmp) / f"world-{w}" / "timed-again", hidden, layers, steps, {})
+            runs[w]["pipeline_s"] = min(runs[w]["pipeline_s"], statistics.median(again[0]["pipeline_s"]))
     base = runs[1]["pipeline_s"]
     print(f"{runs[1]['parameters'] / 1e6:.0f}M parameters bf16, {steps} patch steps, codec threads 1 per rank")
     header = f"{'ranks':>5} {'pipeline s/step':>16} {'speedup':>8} {'peak/shard':>11} {'(default malloc)':>17}"
