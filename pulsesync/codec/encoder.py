@@ -57,8 +57,7 @@ class _Record:
     history: tuple[ChunkKey, ChunkHistory] | None = None
     coding: str = ""  # "KIND/CODING", for the manifest's summary
     wire: Counter[str] = field(default_factory=Counter)  # bytes of `data` by role (see EncodedPatch.wire)
-    # (tensor, how its mixsum lanes moved): computed only where the new digest is not known
-    digest_change: tuple[str, Callable[[], tuple[int, int]]] | None = None
+    digest_change: tuple[str, tuple[int, int]] | None = None  # (tensor, how its mixsum lanes moved)
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def _record(
     params: CodecParams,
     sections: list[_Section],
     history: tuple[ChunkKey, ChunkHistory] | None = None,
-    digest_change: tuple[str, Callable[[], tuple[int, int]]] | None = None,
+    digest_change: tuple[str, tuple[int, int]] | None = None,
     **fields: Any,
 ) -> _Record:
     """Compress a record's sections and prepend its header: `fields` and the sections' fields, its sizes
@@ -280,11 +279,16 @@ def _sparse_record(
 
 def _digest_change(
     params: CodecParams, chunk: _Chunk, positions: np.ndarray | None, old: torch.Tensor, new: torch.Tensor
-) -> tuple[str, Callable[[], tuple[int, int]]] | None:
-    """How a chunk record moves its tensor's digest, where that is updated from it (an incremental algorithm)."""
+) -> tuple[str, tuple[int, int]] | None:
+    """How a chunk record moves its tensor's digest, where that is updated from it (an incremental algorithm).
+
+    Computed in the record's task, also where the caller gave the new digest: deferred, the
+    changed values stayed alive until the last record (a sharded rank's peak rose from 2.18x to
+    2.23x its shard) for ~2% of encode time.
+    """
     if params.digest_algorithm not in INCREMENTAL:
         return None
-    return chunk.name, partial(lane_change, old, new, chunk.start, positions)
+    return chunk.name, lane_change(old, new, chunk.start, positions)
 
 
 CODES_BLOCK = 4096  # EXP_CODES: a magnitude class of this many values gets zstd blocks (Huffman tables) of its own
@@ -466,7 +470,7 @@ def encode(
 
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     if new_digest is None:  # incremental: from what the chunk records overwrote, O(patch)
-        moved = [(name, change()) for name, change in (r.digest_change for r in records if r.digest_change)]
+        moved = [r.digest_change for r in records if r.digest_change is not None]
         new_digest = update_digest(base_digest, new, moved, whole)
     # Name the reference only where a record uses it: a reader without it can still decode the rest.
     coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
@@ -526,8 +530,8 @@ def encode_part(
     lanes: dict[str, tuple[int, int]] = {}
     for r in records:
         if r.digest_change is not None:
-            name, change = r.digest_change
-            lanes[name] = mixsum.add(lanes.get(name, (0, 0)), change())
+            name, moved = r.digest_change
+            lanes[name] = mixsum.add(lanes.get(name, (0, 0)), moved)
     data, codings, wire = _assemble(params, records, base_root, "", dense_bytes_total, part=part)
     return EncodedPart(data, codings, wire, sum(r.changed for r in records), lanes)
 
