@@ -54,9 +54,7 @@ def to_ordered_(bits: torch.Tensor, info: DTypeInfo) -> torch.Tensor:
     top = 8 * info.width - 1
     if bits.device.type == "cpu":  # numpy's small-int kernels are ~3x torch's on CPU; same memory
         a = bits.numpy()
-        flip = a >> np.array(top, a.dtype)  # 0 for positive, -1 for negative
-        flip &= np.array((1 << top) - 1, a.dtype)
-        a ^= flip
+        a ^= _order_flip(a)
         return bits
     flip = bits >> top
     flip &= (1 << top) - 1
@@ -78,14 +76,20 @@ def encode_values(old: torch.Tensor, new: torch.Tensor, info: DTypeInfo, coding:
     return _wrapping("-", to_ordered(new, info), to_ordered(old, info), info)
 
 
+def _order_flip(a: np.ndarray) -> np.ndarray:
+    """What to_ordered xors into sign-magnitude float bits held in a signed integer array: every bit
+    below the sign where it is set, nothing elsewhere."""
+    top = np.array(8 * a.itemsize - 1, a.dtype)
+    flip: np.ndarray = (a >> top) & np.array((1 << (8 * a.itemsize - 1)) - 1, a.dtype)
+    return flip
+
+
 def ordered_delta(old: np.ndarray, new: np.ndarray, info: DTypeInfo) -> np.ndarray:
     """encode_values' DELTA of host arrays: to_ordered(new) - to_ordered(old), wrapping (numpy integers wrap)."""
     if not info.is_float:
         difference: np.ndarray = new - old
         return difference
-    top = np.array(8 * info.width - 1, old.dtype)
-    magnitude = np.array((1 << (8 * info.width - 1)) - 1, old.dtype)
-    delta: np.ndarray = (new ^ ((new >> top) & magnitude)) - (old ^ ((old >> top) & magnitude))
+    delta: np.ndarray = (new ^ _order_flip(new)) - (old ^ _order_flip(old))
     return delta
 
 
