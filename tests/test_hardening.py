@@ -422,6 +422,27 @@ async def test_a_trickling_or_silent_s3_endpoint_cannot_hang_the_daemon(
             await sub.task  # type: ignore[attr-defined]
 
 
+async def test_a_pointer_read_or_fleet_write_that_never_answers_does_not_stall_the_daemon(
+    moto_endpoint: str, key: Ed25519PrivateKey
+) -> None:
+    """CI of f46c065: one pointer GET hung for its try's whole 60 s, and the daemon with it; both are advisory."""
+    async with s3_behind_proxy(moto_endpoint, key) as (proxy, through_proxy, pub):  # the default retry policy
+        sub = subscriber(through_proxy, key, poll_seconds=0.05)
+        stop = asyncio.Event()
+        sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
+        try:
+            await wait_for(lambda: sub.step == 1, "step 1", sub=sub)
+            proxy.hang_paths = ("/pointer", "/fleet/")  # read, never answered
+            await publish(pub, range(2, 4))
+            await wait_for(lambda: sub.step == 3, "step 3 past a silent pointer", seconds=20, sub=sub)
+            assert_serving(sub, 3)
+            assert any(path.endswith("/pointer") for _, path, _ in proxy.seen[-20:])  # it did ask
+        finally:
+            proxy.hang_paths = ()
+            stop.set()
+            await sub.task  # type: ignore[attr-defined]
+
+
 async def test_a_sync_past_its_deadline_is_cut_off_and_reported_unhealthy(
     store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
 ) -> None:

@@ -34,6 +34,12 @@ class SubscriberConfig(Config):
     list_every_seconds: float = Field(
         60.0, gt=0, description="with poll_pointer, list at least this often anyway (a pointer that stopped changing)"
     )
+    advisory_deadline_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="the longest a daemon waits on an advisory object (the pointer read, its fleet status write); "
+        "past it the pointer counts as unreadable (a LIST instead) and the status write is skipped",
+    )
     fleet_status: bool = Field(
         True, description="the daemon writes fleet/{subscriber_id}.json: what it serves, for inspect and retention"
     )

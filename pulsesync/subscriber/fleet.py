@@ -1,11 +1,13 @@
 """This subscriber's entry in the fleet: its status object, rewritten after each sync and as a heartbeat.
 
 Best effort and advisory (`pulsesync.protocol.fleet`): a failed write is logged and serving goes
-on; nothing reads it back but `pulsesync inspect` and retention's hint.
+on; nothing reads it back but `pulsesync inspect` and retention's hint. A write gets `deadline`
+seconds, not the store's retries: a hung PUT must not hold the daemon's poll loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import logging
@@ -37,10 +39,11 @@ def default_subscriber_id(cache_dir: Path | None) -> str:
 class FleetReporter:
     """Writes `fleet/{subscriber}.json` after every sync that moved the state, and at least every `every_seconds`."""
 
-    def __init__(self, store: Store, subscriber: str, every_seconds: float) -> None:
+    def __init__(self, store: Store, subscriber: str, every_seconds: float, deadline: float) -> None:
         self.store = store
         self.subscriber = subscriber
         self.every_seconds = every_seconds
+        self.deadline = deadline
         self.last_path: str | None = None
         self.last_sync: dt.datetime | None = None
         self._written_at: float | None = None
@@ -67,7 +70,7 @@ class FleetReporter:
             updated_at=now,
         )
         try:
-            await self.store.put(status.key, status.to_bytes())
+            await asyncio.wait_for(self.store.put(status.key, status.to_bytes()), self.deadline)
             self._written_at = time.monotonic()
-        except StoreError as e:
-            log.warning("fleet status %s%s not written: %s", self.store.url, status.key, e)
+        except (StoreError, asyncio.TimeoutError) as e:
+            log.warning("fleet status %s%s not written: %r", self.store.url, status.key, e)

@@ -5,13 +5,15 @@ every poll. The publisher rewrites a small pointer object after each commit
 (`layout.POINTER_KEY`); a subscriber reads it with a conditional GET (`If-None-Match` on S3:
 304, no body, while nothing changed) and lists only when it changed. The pointer is a hint and
 nothing more: what it names is never served from it, the LIST and the signed marker decide as
-always. A missing, unreadable or oversized pointer means a LIST every poll, and a pointer that
+always. A missing, unreadable, oversized or slow pointer means a LIST every poll (a read gets
+`deadline` seconds, not the store's retries: a hung GET must not hold the daemon), and a pointer that
 stops changing (a publisher that died between its marker and its pointer, or a forged, frozen
 one) still gets a LIST every `list_every_seconds`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,9 +27,10 @@ log = logging.getLogger("pulsesync.subscriber")
 class PointerPoll:
     """Decides, per poll, whether the store's ready markers are worth listing."""
 
-    def __init__(self, store: Store, list_every_seconds: float) -> None:
+    def __init__(self, store: Store, list_every_seconds: float, deadline: float) -> None:
         self.store = store
         self.list_every_seconds = list_every_seconds
+        self.deadline = deadline
         self.etag: str | None = None  # of the pointer last read; None: not read yet (or gone)
         self._listed_at: float | None = None
 
@@ -40,9 +43,10 @@ class PointerPoll:
         if self._listed_at is None or time.monotonic() - self._listed_at >= self.list_every_seconds:
             return True
         try:
-            got = await self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
-        except PulseSyncError as e:  # missing, oversized, unreachable: list, and let the sync report errors
-            log.debug("pointer %s%s: %s; listing instead", self.store.url, layout.POINTER_KEY, e)
+            read = self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
+            got = await asyncio.wait_for(read, self.deadline)
+        except (PulseSyncError, asyncio.TimeoutError) as e:  # missing, oversized, unreachable, slow: list instead
+            log.debug("pointer %s%s: %r; listing instead", self.store.url, layout.POINTER_KEY, e)
             self.etag = None
             return True
         if got is None:

@@ -147,9 +147,11 @@ class Subscriber:
         self.config = config
         self.store = store or open_store(config.store)
         self.chain = ChainClient(self.store, trusted, threads=config.codec.threads, stream_id=config.stream_id)
-        self.poll = PointerPoll(self.store, config.list_every_seconds) if config.poll_pointer else None
+        advisory = config.advisory_deadline_seconds
+        self.poll = PointerPoll(self.store, config.list_every_seconds, advisory) if config.poll_pointer else None
         fleet_id = config.subscriber_id or default_subscriber_id(config.cache_dir)
-        self.fleet = FleetReporter(self.store, fleet_id, config.fleet_status_seconds) if config.fleet_status else None
+        fleet_every = config.fleet_status_seconds
+        self.fleet = FleetReporter(self.store, fleet_id, fleet_every, advisory) if config.fleet_status else None
         sink_configs = list(config.sinks)
         if config.out_dir is not None:
             sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))

@@ -29,6 +29,7 @@ class FaultProxy:
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, action)
     down: bool = False  # while set, every connection is reset: the store is unreachable
     hang: bool = False  # while set, requests are read and never answered (an endpoint that went silent)
+    hang_paths: tuple[str, ...] = ()  # requests whose path contains one of these are read and never answered
     trickle_seconds: float | None = None  # while set, GET bodies arrive one byte per this many seconds
     oversize: dict[str, int] = field(default_factory=dict)  # path suffix -> bytes of junk served in its place
     bytes_sent: int = 0  # body bytes delivered to the client
@@ -54,7 +55,7 @@ class FaultProxy:
         action = "reset" if self.down else self.schedule.pop(0) if self.schedule else "ok"
         self.seen.append((request.method, request.path, action))
         body = await request.read()
-        if self.hang:
+        if self.hang or any(part in request.path for part in self.hang_paths):
             await asyncio.sleep(3600)
         if request.method == "GET" and (junk := self._oversized(request.path)) is not None:
             return await self._stream(request, junk, web.StreamResponse(status=200))
