@@ -301,6 +301,17 @@ def test_predicted_offsets_agree_on_both_paths_and_with_float_arithmetic(seed: i
     assert not numpy_offsets[deltas == 0].any()
 
 
+@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+def test_the_kernels_within_a_binade_shortcut_agrees_with_the_full_prediction_on_every_bf16_value() -> None:
+    """fused._predicted_offset skips the rounding where old, prev and the prediction share a binade: every bf16
+    value, moved -24..24 steps, gets numpy's exactly computed offset (the shortcut's edges: signed zeros,
+    subnormals, binade ends, infinities and NaNs are all among them)."""
+    every = np.arange(-(2**15), 2**15, dtype=np.int64).astype(np.int16)
+    moves = np.arange(-24, 25, dtype=np.int16)
+    old, deltas = np.repeat(every, moves.size), np.tile(moves, every.size)
+    assert np.array_equal(bits.predicted_offsets(old, deltas), _offsets_without_numba(old, deltas))
+
+
 def _offsets_without_numba(old: np.ndarray, deltas: np.ndarray) -> np.ndarray:
     return np.asarray(_without_numba(bits.predicted_offsets, old, deltas))
 
