@@ -365,6 +365,32 @@ def test_matching_a_reference_agrees_on_both_paths(seed: int, overlap: float) ->
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), overlap=st.floats(0, 1), repeat=st.booleans())
+def test_merging_a_history_records_positions_agrees_with_a_sorted_union(
+    seed: int, overlap: float, repeat: bool
+) -> None:
+    """The decoder's branch-free merge: the reference positions marked again and the new ones, sorted, each
+    with its reference delta (0 where new); a new position that repeats a marked reference one is refused."""
+    rng = np.random.default_rng(seed)
+    ref_positions = np.unique(rng.integers(0, 5000, rng.integers(0, 800)))
+    ref_deltas = rng.integers(-(2**15), 2**15, ref_positions.size).astype(np.int16)
+    again = rng.random(ref_positions.size) < overlap
+    fresh = np.setdiff1d(np.unique(rng.integers(0, 5000, rng.integers(0, 800))), ref_positions)
+    if repeat and again.any():
+        fresh = np.union1d(fresh, rng.choice(ref_positions[again], 1))
+    positions, deltas = np.empty(again.sum() + fresh.size, np.int64), np.empty(again.sum() + fresh.size, np.int16)
+    assert fused.merge_history is not None
+    merged = fused.merge_history(ref_positions, ref_deltas, again, fresh, positions, deltas)
+    assert merged == (not repeat or not again.any())
+    if merged:
+        union = np.concatenate([ref_positions[again], fresh])
+        order = np.argsort(union)
+        assert np.array_equal(positions, union[order])
+        assert np.array_equal(deltas, np.concatenate([ref_deltas[again], np.zeros(fresh.size, np.int16)])[order])
+
+
 def test_new_values_simpler_than_their_moves_are_stored_raw() -> None:
     """A prune (5% of the weights set to zero) is coded as RAW values, weighed only where their entropy says
     they might pay: the patch is far smaller than the moves to zero would be."""

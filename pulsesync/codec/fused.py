@@ -658,22 +658,36 @@ def _merge_history(
 ) -> bool:
     """Merge the reference positions that changed again with the new ones (both sorted) into
     positions_out, and their reference deltas (0 for new ones) into ref_out; False if a new
-    position repeats a reference one."""
-    i = j = k = 0
-    while True:
-        while i < ref_positions.size and not again[i]:
-            i += 1
-        if i < ref_positions.size and (j == fresh.size or ref_positions[i] < fresh[j]):
-            positions_out[k], ref_out[k] = ref_positions[i], ref_deltas[i]
-            i += 1
-        elif j < fresh.size:
-            if i < ref_positions.size and ref_positions[i] == fresh[j]:
-                return False
-            positions_out[k], ref_out[k] = fresh[j], 0
-            j += 1
-        else:
-            return True
-        k += 1
+    position repeats a reference one.
+
+    Without a branch on the data: which reference positions changed again, and which list the
+    next position comes from, are as random as the weights' updates (a branch on them
+    mispredicted about every other element: 11.6 ns a change for the positions, now ~4).
+    """
+    # The reference positions that changed again, compacted (written always, kept where marked),
+    # each list closed by a sentinel above every position.
+    picked, picked_deltas = np.empty(ref_positions.size + 1, np.int64), np.empty(ref_positions.size + 1, np.int64)
+    m = 0
+    for i in range(ref_positions.size):
+        picked[m], picked_deltas[m] = ref_positions[i], ref_deltas[i]
+        m += np.int64(again[i])
+    n = fresh.size
+    end = np.int64(1) << 62
+    picked[m] = end
+    new = np.empty(n + 1, np.int64)
+    new[:n] = fresh
+    new[n] = end
+    i = j = 0
+    repeats = False
+    for k in range(m + n):
+        a, b = picked[i], new[j]
+        from_reference = a < b
+        repeats |= a == b
+        positions_out[k] = a if from_reference else b
+        ref_out[k] = picked_deltas[i] if from_reference else 0
+        i += np.int64(from_reference)
+        j += np.int64(not from_reference)
+    return not repeats
 
 
 # The record table of apply_batch: one row per record, these columns.
