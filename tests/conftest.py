@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.store import FileStore, S3Store, Store
+from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
 from tests.support.servers import BUCKET, moto_server, seaweedfs_server
 from tests.support.subscribing import publish
 
@@ -40,7 +40,10 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     if request.param == "fs":
         yield FileStore(tmp_path / "store")
         return
-    s3 = S3Store(BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("moto_endpoint"))
+    # A try gets 15 s, not 60: CI once saw a GET to this local server go unanswered for a whole try
+    # (issue 28's note); a request to 127.0.0.1 that takes 15 s is hung, and the retry gets through.
+    endpoint, policy = request.getfixturevalue("moto_endpoint"), RetryPolicy(attempt_timeout=15.0)
+    s3 = S3Store(BUCKET, f"t-{uuid.uuid4().hex[:12]}", endpoint_url=endpoint, retry=policy)
     yield s3
     await s3.close()
 

@@ -661,8 +661,8 @@ def _merge_history(
     position repeats a reference one.
 
     Without a branch on the data: which reference positions changed again, and which list the
-    next position comes from, are as random as the weights' updates (a branch on them
-    mispredicted about every other element: 11.6 ns a change for the positions, now ~4).
+    next position comes from, are as random as the weights' updates: a branch on them mispredicted
+    about every other element (10.4 ns a merged position, 8.8 without the branches).
     """
     # The reference positions that changed again, compacted (written always, kept where marked),
     # each list closed by a sentinel above every position.
