@@ -437,6 +437,9 @@ async def test_a_pointer_read_or_fleet_write_that_never_answers_does_not_stall_t
             await wait_for(lambda: sub.step == 3, "step 3 past a silent pointer", seconds=20, sub=sub)
             assert_serving(sub, 3)
             assert any(path.endswith("/pointer") for _, path, _ in proxy.seen[-20:])  # it did ask
+            stop.set()  # a status write still hanging is given up within the advisory deadline (5 s)
+            await asyncio.wait_for(asyncio.shield(sub.task), 15)  # type: ignore[attr-defined]
+            assert any("/fleet/" in path for _, path, _ in proxy.seen)
         finally:
             proxy.hang_paths = ()
             stop.set()
