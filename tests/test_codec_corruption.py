@@ -6,7 +6,6 @@ the decoder's consistency checks, not just its checksums.
 
 from __future__ import annotations
 
-import dataclasses
 import tracemalloc
 
 import numpy as np
@@ -89,7 +88,7 @@ def _assemble(header: PatchHeader, records: list[tuple[RecordHeader, bytes]], en
 
 def _lie(patch: bytes, name: str, **fields: object) -> bytes:
     header, records = _records(patch)
-    records = [(dataclasses.replace(h, **fields) if h.name == name else h, p) for h, p in records]
+    records = [(h._replace(**fields) if h.name == name else h, p) for h, p in records]
     return _assemble(header, records)
 
 
@@ -177,9 +176,9 @@ def test_consistent_size_lie_is_caught_by_the_frame(pair, patch) -> None:
     for h, p in records:
         if h.name == "sparse" and h.kind == RecordKind.SPARSE:
             count = h.count + 4
-            raw_len = raw_len_for(dataclasses.replace(h, count=count))
+            raw_len = raw_len_for(h._replace(count=count))
             header = header.model_copy(update={"decoded_bytes": header.decoded_bytes + raw_len - h.raw_len})
-            h = dataclasses.replace(h, count=count, raw_len=raw_len)
+            h = h._replace(count=count, raw_len=raw_len)
         lied.append((h, p))
     _expect(CorruptPatchError, pair[0], _assemble(header, lied), "frame declares")
 
@@ -189,9 +188,7 @@ def test_huge_declared_tensor_is_refused_before_allocation(pair, patch) -> None:
     header, records = _records(patch)
     numel = 1 << 40  # 4 TiB of int32 if anyone believed it
     records = [
-        (dataclasses.replace(h, shape=(numel,), length=numel, count=numel, raw_len=4 * numel), p)
-        if h.name == "added"
-        else (h, p)
+        (h._replace(shape=(numel,), length=numel, count=numel, raw_len=4 * numel), p) if h.name == "added" else (h, p)
         for h, p in records
     ]
     # First with the header's honest total: the record exceeds the patch's declared decoded bytes.
@@ -235,7 +232,7 @@ def _one_record_patch(
     payload = zstandard.ZstdCompressor(write_checksum=True).compress(payload_raw)
     raw, comp = len(payload_raw), len(payload)
     h = RecordHeader(kind, "sparse", BF16, (3000,), coding, 0, 1024, count, 0, 0, raw, comp, payload_hash(payload))
-    h = dataclasses.replace(h, **fields)
+    h = h._replace(**fields)
     assert raw_len_for(h) == raw
     digest = "mixsum-128" if h.positions != PositionCoding.GAPS16 else "xxh3-128"
     header = PatchHeader(

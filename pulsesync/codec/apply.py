@@ -268,12 +268,13 @@ def _log_kernel_chunk(
     deltas: np.ndarray,
     undo: UndoLog | None,
     history: PatchHistory | None,
+    addresses: tuple[int, int] | None = None,
 ) -> None:
     """What a fused kernel overwrote into the undo log, and the deltas it applied into the history."""
     if undo is not None:
         undo.chunks.append((h.name, h.start, h.length, positions, old))
     if history is not None:
-        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas)
+        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas, addresses)
 
 
 _NO_LANES = np.zeros(0, np.uint64)  # the kernels' "no digest to update"
@@ -529,7 +530,8 @@ def _apply_batch(
         if h.kind == RecordKind.HISTORY:
             reference = _reference_of(h, references)
             kept.append(reference)
-            ref_positions, ref_deltas = reference.positions.ctypes.data, reference.deltas.ctypes.data
+            assert reference.addresses is not None
+            ref_positions, ref_deltas = reference.addresses
             new_count = h.new_count
         head = (address, h.length, at, h.count, h.escapes, h.value_escapes, h.positions, h.coding, h.start, out)
         rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind))
@@ -576,32 +578,44 @@ def _apply_batch(
     work = table[:, fused.ROW_COUNT] * np.where(by_class, 2, 1)
     work += np.where(table[:, fused.ROW_POSITIONS] == PositionCoding.CLASS_MASKS, table[:, fused.ROW_LENGTH] // 4, 0)
     ranges = _balanced(work, threads)
-    ends = list(parallel_map(run, ranges, threads if len(ranges) > 1 else 1))
-    moved_lanes = lanes.tolist()
     moved: list[tuple[str, tuple[int, int]]] = []
-    for (first, _), (end, done, _) in zip(ranges, ends, strict=True):
-        for index in range(first, end + 1 if done else end):  # and what a failing record wrote
-            h, o = batch[index][0], rows[index][fused.ROW_OUT]
-            n = h.count if index < end else done
-            _log_kernel_chunk(h, positions[o : o + n], old[o : o + n], deltas[o : o + n], undo, history)
-            if incremental:
-                moved.append((h.name, (moved_lanes[index][0], moved_lanes[index][1])))
-    for _, _, error in ends:
-        if error is not None:
-            raise error
+    errors: list[CorruptPatchError] = []
+    positions_at, deltas_at = positions.ctypes.data, deltas.ctypes.data
+    # Each range is logged as soon as it is done, while the ranges after it are still being applied.
+    with contextlib.closing(parallel_map(run, ranges, threads if len(ranges) > 1 else 1)) as done_ranges:
+        for (first, _), (end, done, error) in zip(ranges, done_ranges, strict=True):
+            moved_lanes = lanes[first : end + 1].tolist()
+            for index in range(first, end + 1 if done else end):  # and what a failing record wrote
+                h, o = batch[index][0], rows[index][fused.ROW_OUT]
+                n = h.count if index < end else done
+                written = (positions_at + 8 * o, deltas_at + 2 * o)
+                _log_kernel_chunk(h, positions[o : o + n], old[o : o + n], deltas[o : o + n], undo, history, written)
+                if incremental:
+                    row_lanes = moved_lanes[index - first]
+                    moved.append((h.name, (row_lanes[0], row_lanes[1])))
+            if error is not None:
+                errors.append(error)
+    if errors:
+        raise errors[0]
     return moved
 
 
 def _reference_of(h: RecordHeader, references: dict[ChunkKey, ChunkHistory]) -> ChunkHistory:
     """The reference chunk a HISTORY record is coded against, checked to fit it (as parse's decoder checks)."""
     reference = references.get((h.name, h.start, h.length))
-    where = record_where(h)
     if reference is None or reference.positions.size != h.ref_count:
         held = "none" if reference is None else f"{reference.positions.size} positions"
-        raise CorruptPatchError(f"{where}: coded against {h.ref_count} reference positions, the reference holds {held}")
+        raise CorruptPatchError(
+            f"{record_where(h)}: coded against {h.ref_count} reference positions, the reference holds {held}"
+        )
+    if reference.addresses is not None:  # the batch kernel's own output
+        return reference
     if reference.deltas.dtype != np.int16 or reference.positions.dtype != np.int64:
-        raise CorruptPatchError(f"{where}: the reference chunk holds {reference.deltas.dtype} deltas for {h.info.name}")
-    return ChunkHistory(np.ascontiguousarray(reference.positions), np.ascontiguousarray(reference.deltas))
+        raise CorruptPatchError(
+            f"{record_where(h)}: the reference chunk holds {reference.deltas.dtype} deltas for {h.info.name}"
+        )
+    positions, deltas = np.ascontiguousarray(reference.positions), np.ascontiguousarray(reference.deltas)
+    return ChunkHistory(positions, deltas, (positions.ctypes.data, deltas.ctypes.data))
 
 
 def _batch_error(status: int, h: RecordHeader) -> str:

@@ -15,7 +15,7 @@ import enum
 import json
 import math
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -132,9 +132,12 @@ class PatchHeader(BaseModel):
     part: int | None = Field(None, ge=0)
 
 
-@dataclass(frozen=True)
-class RecordHeader:
-    """One record's fields (validated for internal consistency when parsed)."""
+class RecordHeader(NamedTuple):
+    """One record's fields (validated for internal consistency when parsed).
+
+    A named tuple: a subscriber parses every record of every patch (~400 in a 0.6B model's), and
+    a tuple is built in a third of a frozen dataclass's time (0.6 vs 1.7 us here).
+    """
 
     kind: RecordKind
     name: str
@@ -143,7 +146,7 @@ class RecordHeader:
     coding: ValueCoding = ValueCoding.RAW
     start: int = 0
     length: int = 0
-    count: int = 0  # changed elements (END: number of records before it)
+    count: int = 0  # type: ignore[assignment]  # changed elements (END: records before it); hides tuple.count
     # GAPS16: gaps too large for u16; GAP_CODES: bytes of the extra-bits stream; CLASS_MASKS: of the bitmap
     escapes: int = 0
     value_escapes: int = 0  # packed values too large for a 2-bit code; EXP_CODES: bytes of the extra-bits stream
