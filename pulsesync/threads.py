@@ -48,8 +48,10 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None =
 
 
 def _in_order(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T]) -> Generator[R, None, None]:
-    futures = [pool.submit(fn, item) for item in items]
+    futures: list[Future[R]] = []
     try:
+        for item in items:  # (items may be made as they are submitted: one that fails still waits for the others)
+            futures.append(pool.submit(fn, item))
         for future in futures:
             yield future.result()
     finally:
@@ -58,6 +60,35 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T]
         for future in futures:
             future.cancel()
         wait(futures)
+
+
+class Runner:
+    """Tasks submitted one by one, run as parallel_map runs them: inline when threads == 1, else on the
+    shared pool (the default width) or on a pool of exactly that width, closed by close()."""
+
+    def __init__(self, threads: int | None) -> None:
+        self._own: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        if threads is None or threads == default_threads():
+            self._pool = _shared_pool()
+        elif threads != 1:
+            self._pool = self._own = ThreadPoolExecutor(threads, thread_name_prefix="pulsesync")
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """fn(*args) on the pool, or here (its result or exception in the future returned)."""
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future[R] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # as a pool's future holds it
+            done.set_exception(e)
+        return done
+
+    def close(self) -> None:
+        """Wait for the tasks of a pool of its own, and shut it down."""
+        if self._own is not None:
+            self._own.shutdown(wait=True)
 
 
 _side_pool: ThreadPoolExecutor | None = None

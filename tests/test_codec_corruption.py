@@ -106,8 +106,29 @@ def test_truncated_at_every_length_raises_and_leaves_state_untouched(pair, patch
     for cut in range(len(patch)):
         work = clone_state(base)
         with pytest.raises(CorruptPatchError):
-            apply_patch(work, patch[:cut])
-        assert_states_equal(work, base)  # framing is validated before anything is written
+            apply_patch(work, patch[:cut])  # one thread: the whole patch is parsed before anything is written
+        assert_states_equal(work, base)
+
+
+@pytest.mark.skipif(fused.apply_batch is None, reason="no numba")
+@pytest.mark.parametrize("threads", [2, 3])  # (on 2 cores, 3 is a pool of its own)
+def test_a_patch_cut_short_after_its_first_runs_were_applied_is_rolled_back_exactly(threads: int) -> None:
+    """With threads, the batch kernel applies the first runs of records while the rest are parsed: a
+    patch that ends early is found out after some were written. All of it is in the undo log."""
+    rng = np.random.default_rng(3)
+    base = {f"layer{i}": random_bits(rng, BF16, (4096,)) for i in range(16)}
+    patch = encode_patch(base, {n: mutate(rng, t, 0.05) for n, t in base.items()}, CodecParams(chunk_elements=1024))
+    header, records = _records(patch)
+    ends = len(encode_header(header)) + np.cumsum([len(encode_record_header(h)) + len(p) for h, p in records])
+    written_before_error = 0
+    for cut in [*ends[-8:], len(patch) - 1]:  # after a whole record (the end record missing), or inside the end
+        work, undo = clone_state(base), UndoLog()
+        with pytest.raises(CorruptPatchError, match="truncated"):
+            apply_patch(work, patch[:cut], threads=threads, undo=undo)
+        written_before_error = max(written_before_error, len(undo.chunks))
+        undo.rollback(work)
+        assert_states_equal(work, base)
+    assert written_before_error > 0  # the runs before the cut were applied, so the rollback had work to do
 
 
 def test_streaming_decoder_reports_truncation(patch) -> None:

@@ -8,9 +8,8 @@ copy of a state and still restore it bit for bit.
 from __future__ import annotations
 
 import contextlib
-import itertools
-from collections.abc import MutableMapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterable, MutableMapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -22,6 +21,7 @@ from pulsesync.codec.format import (
     BY_CLASS,
     CODES,
     V2_CODINGS,
+    PatchHeader,
     PositionCoding,
     RecordHeader,
     RecordKind,
@@ -48,7 +48,7 @@ from pulsesync.digest import (
 )
 from pulsesync.dtypes import describe
 from pulsesync.errors import CorruptPatchError, IntegrityError, MissingReferenceError
-from pulsesync.threads import default_threads, parallel_map, submit_beside
+from pulsesync.threads import Runner, default_threads, parallel_map, submit_beside
 
 Logged = torch.Tensor | np.ndarray  # what an undo log entry holds: a tensor, or a CPU kernel's array
 
@@ -340,8 +340,9 @@ def apply_patch(
     (MissingReferenceError otherwise). Pass an empty `history` to collect this patch's own.
     """
     parser = PatchDecoder(max_decoded_bytes)
-    raw_records = parser.split(patch)
-    header = parser.finish()
+    raw_records = parser.records(patch)  # parsed while the first ones are applied
+    header = parser.header
+    assert header is not None
     if header.part is not None:
         raise CorruptPatchError(f"patch is part {header.part} of a sharded step: apply the step's parts together")
     algorithm = header.digest_algorithm
@@ -358,7 +359,7 @@ def apply_patch(
         )
     incremental = verify and algorithm in INCREMENTAL
     moved, whole_records, rehashed = _apply_records(
-        state, parser, raw_records, undo, reference, history, threads, verify, incremental
+        state, parser, raw_records, len(patch), undo, reference, history, threads, verify, incremental
     )
     if not verify:
         return None
@@ -403,7 +404,7 @@ def apply_parts(
             )
         if whole := [h.name for h, _ in raw_records if h.kind not in _CHUNK_KINDS]:
             raise CorruptPatchError(f"part {index} of a sharded step: tensor {whole[0]!r} has a whole-tensor record")
-        moved += _apply_records(state, parser, raw_records, undo, None, None, threads, True, True)[0]
+        moved += _apply_records(state, parser, raw_records, len(patch), undo, None, None, threads, True, True)[0]
     return update_digest(base_digest, state, moved, [])
 
 
@@ -413,7 +414,8 @@ _CHUNK_KINDS = (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY)
 def _apply_records(
     state: MutableMapping[str, torch.Tensor],
     parser: PatchDecoder,
-    raw_records: list[tuple[RecordHeader, memoryview]],
+    raw_records: Iterable[tuple[RecordHeader, memoryview]],
+    patch_bytes: int,
     undo: UndoLog | None,
     reference: PatchHistory | None,
     history: PatchHistory | None,
@@ -430,27 +432,32 @@ def _apply_records(
     assert parser.header is not None
     algorithm = parser.header.digest_algorithm
     chunk_kinds = _CHUNK_KINDS
-    for h, _ in raw_records:
-        check_target(h, state)
-        tensor = state[h.name] if h.kind in chunk_kinds else None
-        if tensor is not None and not tensor.is_contiguous():
-            if undo is not None:
-                undo.tensors.append((h.name, tensor))
-            state[h.name] = tensor.contiguous()
-
     references = reference.chunks if reference is not None else {}
-    # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
-    moved: list[tuple[str, tuple[int, int]]] = []
-    batched: list[str] = []  # tensors the batch kernel changed (re-hashed at the end, as needed)
+    batch = None
     if fused.apply_batch is not None and fused.enabled:
-        batch: list[tuple[RecordHeader, memoryview]] = []
-        rest: list[tuple[RecordHeader, memoryview]] = []
+        batch = _Batch(state, parser.header, patch_bytes, undo, references, history, threads, incremental)
+    rest: list[tuple[RecordHeader, memoryview]] = []
+    try:  # records are checked, and batchable ones applied, as they are parsed
         for item in raw_records:
-            (batch if _batchable(item[0], state) else rest).append(item)
-        if batch:
-            moved += _apply_batch(state, batch, undo, references, history, threads, incremental)
-            raw_records = rest
-            batched = list(dict.fromkeys(h.name for h, _ in batch))
+            h = item[0]
+            check_target(h, state)
+            tensor = state[h.name] if h.kind in chunk_kinds else None
+            if tensor is not None and not tensor.is_contiguous():
+                if undo is not None:
+                    undo.tensors.append((h.name, tensor))
+                state[h.name] = tensor.contiguous()
+            if batch is not None and _batchable(h, state):
+                batch.add(item)
+            else:
+                rest.append(item)
+    except BaseException as e:
+        if batch is not None:
+            batch.close(e)  # raises e, or an error of a record before it
+        raise
+    # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
+    moved = batch.close() if batch is not None else []
+    batched = list(batch.names) if batch is not None else []  # tensors the kernel changed (re-hashed at the end)
+    raw_records = rest
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:
         h = item[0]
@@ -503,101 +510,171 @@ def _batchable(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> boo
     return h.info.width == 2 and h.info.is_float and state[h.name].device.type == "cpu"
 
 
-def _apply_batch(
-    state: MutableMapping[str, torch.Tensor],
-    batch: list[tuple[RecordHeader, memoryview]],
-    undo: UndoLog | None,
-    references: dict[ChunkKey, ChunkHistory],
-    history: PatchHistory | None,
-    threads: int | None,
-    incremental: bool,
-) -> list[tuple[str, tuple[int, int]]]:
-    """Apply SPARSE and HISTORY records of 2-byte floats with one compiled call per thread (fused.apply_batch).
+class _Batch:
+    """SPARSE and HISTORY records of 2-byte floats, applied by the compiled kernel (fused.apply_batch) a run at a time.
 
-    The records are cut into runs of about equal work, a few per thread; a thread takes the next
-    run, decompresses its payloads (zstd releases the GIL) and decodes and applies them in one
-    call, every check of the single-record path included. Returns how each record moved its
-    tensor's lanes. On a corrupt record, every record applied (and what the corrupt one wrote)
-    is in `undo` and CorruptPatchError names it.
+    Records are added as the patch is parsed. Once a run holds about 1/RANGES_PER_THREAD of a
+    thread's share of the patch's payload bytes, its payloads are decompressed here (zstd releases
+    the GIL) and a thread decodes and applies the whole run in one call, every check of the
+    single-record path included: the threads apply the first runs while the caller parses the
+    next. close() waits for every run, logs what each applied (and what a failing record wrote)
+    into the undo log and the history, and returns how each record moved its tensor's lanes.
     """
-    rows: list[tuple[int, ...]] = []
-    kept: list[ChunkHistory] = []  # the reference chunks the kernel reads by address stay alive until it is done
-    at = out = 0
-    for h, _ in batch:
-        address = state[h.name].data_ptr() + 2 * h.start  # contiguous, checked by check_target, kept alive by state
-        ref_positions = ref_deltas = 0
-        new_count = h.count
-        if h.kind == RecordKind.HISTORY:
-            reference = _reference_of(h, references)
-            kept.append(reference)
-            assert reference.addresses is not None
-            ref_positions, ref_deltas = reference.addresses
-            new_count = h.new_count
-        head = (address, h.length, at, h.count, h.escapes, h.value_escapes, h.positions, h.coding, h.start, out)
-        rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind))
-        at += h.raw_len  # decompress_payload checks the payload is exactly that
-        out += h.count
-    # One buffer for every output and the payloads, reused once the undo log and history that
-    # refer to it are gone (codec.arenas: fresh pages fault in the kernel's stores).
-    arena = _ARENAS.take(12 * out + at + 8)
-    positions, old, deltas = (
-        arena[: 8 * out].view(np.int64),
-        arena[8 * out : 10 * out].view(np.int16),
-        arena[10 * out : 12 * out].view(np.int16),
-    )
-    payloads = arena[12 * out :]
-    payloads[at:] = 0  # the kernel's bit reader reads a few bytes past a record's stream
-    table = np.array(rows, np.int64).reshape(-1, fused.ROW_COLUMNS)
-    lanes = np.zeros((len(rows), 2 if incremental else 0), np.uint64)
-    kernel = fused.apply_batch
-    assert kernel is not None
 
-    def run(rows_range: tuple[int, int]) -> tuple[int, int, CorruptPatchError | None]:
-        """(the first row not applied, or the range's end; elements that row wrote; the error that stopped it)."""
-        first, stop = rows_range
-        error: CorruptPatchError | None = None
-        into = memoryview(payloads.data)  # (a memoryview's slice assignment costs a fifth of numpy's)
-        for index in range(first, stop):
-            h, payload = batch[index]
+    def __init__(
+        self,
+        state: MutableMapping[str, torch.Tensor],
+        header: PatchHeader,
+        patch_bytes: int,
+        undo: UndoLog | None,
+        references: dict[ChunkKey, ChunkHistory],
+        history: PatchHistory | None,
+        threads: int | None,
+        incremental: bool,
+    ) -> None:
+        self.state, self.undo, self.references, self.history = state, undo, references, history
+        self.incremental = incremental
+        self.names: dict[str, None] = {}  # tensors the kernel changed, in order
+        parts = 1 if threads == 1 else RANGES_PER_THREAD * (threads or default_threads())
+        self.cut = max(header.decoded_bytes // parts, 1)  # payload bytes of a run
+        # One buffer for the outputs and payloads of every run, sized by the header's declared totals,
+        # reused once the undo log and history that refer to it are gone (codec.arenas: fresh pages
+        # fault in the kernel's stores). The totals are not trusted: capped far above what a patch of
+        # this size holds (~1 change a byte), and a run that would not fit gets a buffer of its own.
+        # Each run's payloads are followed by 8 zero bytes: the kernel's bit reader reads a few past.
+        self.changes = min(header.changed_elements, 4 * patch_bytes)
+        self.payload_bytes = min(header.decoded_bytes, 8 * patch_bytes) + 8 * (parts + 2)
+        self.arena: np.ndarray | None = None  # taken with the first run
+        self.out = self.at = 0  # of the arena's outputs and payloads, taken by the runs so far
+        self.items: list[tuple[RecordHeader, memoryview]] = []  # the run being filled
+        self.raw = 0  # its payload bytes
+        self.runs: list[tuple[list[tuple[RecordHeader, memoryview]], _Run, Future[tuple[int, int, int]]]] = []
+        self.runner = Runner(threads)
+        kernel = fused.apply_batch
+        assert kernel is not None
+        self.kernel = kernel
+
+    def add(self, item: tuple[RecordHeader, memoryview]) -> None:
+        """One more record (checked against the state by the caller); a full run is handed to a thread."""
+        self.items.append(item)
+        self.names[item[0].name] = None
+        self.raw += item[0].raw_len  # decompress_payload checks the payload is exactly that
+        if self.raw >= self.cut:
+            self._submit()
+
+    def _submit(self) -> None:
+        """Decompress the run's payloads and hand it to a thread (CorruptPatchError: a payload does not decompress)."""
+        items, self.items, raw, self.raw = self.items, [], self.raw, 0
+        if not items:
+            return
+        run = self._run_buffers(items, raw)
+        into = memoryview(run.payloads.data)  # (a memoryview's slice assignment costs a fifth of numpy's)
+        at = 0
+        undecompressed: CorruptPatchError | None = None
+        for index, (h, payload) in enumerate(items):
             try:
-                raw = decompress_payload(h, payload)
-            except CorruptPatchError as e:  # the rows before it are still applied (and logged)
-                stop, error = index, e
+                into[at : at + h.raw_len] = decompress_payload(h, payload)
+            except CorruptPatchError as e:  # the records before it are still applied (and logged)
+                undecompressed = e
+                items, run.table = items[:index], run.table[:index]
                 break
-            offset = rows[index][fused.ROW_PAYLOAD]
-            into[offset : offset + h.raw_len] = raw
-        failed, status, done = kernel(payloads, table[first:stop], positions, old, deltas, lanes[first:stop])
-        if failed < 0:
-            return stop, 0, error
-        h = batch[first + failed][0]
-        return first + failed, done, CorruptPatchError(f"{record_where(h)}: {_batch_error(status, h)}")
+            at += h.raw_len
+        self.runs.append((items, run, self.runner.submit(self.kernel, *run.arguments())))
+        if undecompressed is not None:
+            raise undecompressed
 
-    # Records sorted by class visit their elements twice (gather, then update in class order);
-    # CLASS_MASKS positions scan the whole chunk, in order (about a quarter of a random access each).
-    by_class = np.isin(table[:, fused.ROW_CODING], BY_CLASS)
-    work = table[:, fused.ROW_COUNT] * np.where(by_class, 2, 1)
-    work += np.where(table[:, fused.ROW_POSITIONS] == PositionCoding.CLASS_MASKS, table[:, fused.ROW_LENGTH] // 4, 0)
-    ranges = _balanced(work, threads)
-    moved: list[tuple[str, tuple[int, int]]] = []
-    errors: list[CorruptPatchError] = []
-    positions_at, deltas_at = positions.ctypes.data, deltas.ctypes.data
-    # Each range is logged as soon as it is done, while the ranges after it are still being applied.
-    with contextlib.closing(parallel_map(run, ranges, threads if len(ranges) > 1 else 1)) as done_ranges:
-        for (first, _), (end, done, error) in zip(ranges, done_ranges, strict=True):
-            moved_lanes = lanes[first : end + 1].tolist()
-            for index in range(first, end + 1 if done else end):  # and what a failing record wrote
-                h, o = batch[index][0], rows[index][fused.ROW_OUT]
-                n = h.count if index < end else done
-                written = (positions_at + 8 * o, deltas_at + 2 * o)
-                _log_kernel_chunk(h, positions[o : o + n], old[o : o + n], deltas[o : o + n], undo, history, written)
-                if incremental:
-                    row_lanes = moved_lanes[index - first]
-                    moved.append((h.name, (row_lanes[0], row_lanes[1])))
-            if error is not None:
-                errors.append(error)
-    if errors:
-        raise errors[0]
-    return moved
+    def _run_buffers(self, items: list[tuple[RecordHeader, memoryview]], raw: int) -> _Run:
+        """A run's table of rows and its views of the arena (or a buffer of its own)."""
+        rows: list[tuple[int, ...]] = []
+        kept: list[ChunkHistory] = []  # the reference chunks the kernel reads by address stay alive until it is done
+        at = out = 0
+        for h, _ in items:
+            address = self.state[h.name].data_ptr() + 2 * h.start  # contiguous, checked by check_target
+            ref_positions = ref_deltas = 0
+            new_count = h.count
+            if h.kind == RecordKind.HISTORY:
+                reference = _reference_of(h, self.references)
+                kept.append(reference)
+                assert reference.addresses is not None
+                ref_positions, ref_deltas = reference.addresses
+                new_count = h.new_count
+            head = (address, h.length, at, h.count, h.escapes, h.value_escapes, h.positions, h.coding, h.start, out)
+            rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind))
+            at += h.raw_len
+            out += h.count
+        if self.out + out <= self.changes and self.at + raw + 8 <= self.payload_bytes:
+            if self.arena is None:
+                self.arena = _ARENAS.take(12 * self.changes + self.payload_bytes)
+            buffer, first_out, first_at, changes = self.arena, self.out, 12 * self.changes + self.at, self.changes
+            self.out, self.at = self.out + out, self.at + raw + 8
+        else:  # the header declared fewer changes than the records hold
+            buffer, first_out, first_at, changes = _ARENAS.take(12 * out + raw + 8), 0, 12 * out, out
+        positions = buffer[8 * first_out : 8 * (first_out + out)].view(np.int64)
+        old = buffer[8 * changes + 2 * first_out : 8 * changes + 2 * (first_out + out)].view(np.int16)
+        deltas = buffer[10 * changes + 2 * first_out : 10 * changes + 2 * (first_out + out)].view(np.int16)
+        payloads = buffer[first_at : first_at + raw + 8]
+        payloads[raw:] = 0
+        table = np.array(rows, np.int64).reshape(-1, fused.ROW_COLUMNS)
+        lanes = np.zeros((len(rows), 2 if self.incremental else 0), np.uint64)
+        return _Run(table, payloads, positions, old, deltas, lanes, kept)
+
+    def close(self, pending: BaseException | None = None) -> list[tuple[str, tuple[int, int]]]:
+        """Hand the last run over, wait for every run and log what it applied; raise the first error in patch order.
+
+        With `pending` (what stopped the caller's parse), it is raised unless a run before it failed.
+        """
+        try:
+            if pending is None:
+                self._submit()
+        except CorruptPatchError as e:
+            pending = e
+        moved: list[tuple[str, tuple[int, int]]] = []
+        errors: list[BaseException] = []
+        try:
+            for items, run, future in self.runs:  # in order, each as soon as it is done
+                failed, status, done = future.result()
+                end = len(items) if failed < 0 else failed
+                positions_at, deltas_at = run.positions.ctypes.data, run.deltas.ctypes.data
+                moved_lanes, outs = run.lanes.tolist(), run.table[:, fused.ROW_OUT].tolist()
+                for index in range(end + 1 if failed >= 0 and done else end):  # and what a failing record wrote
+                    h, o = items[index][0], outs[index]
+                    n = h.count if index < end else done
+                    written = (positions_at + 8 * o, deltas_at + 2 * o)
+                    part = slice(o, o + n)
+                    _log_kernel_chunk(
+                        h, run.positions[part], run.old[part], run.deltas[part], self.undo, self.history, written
+                    )
+                    if self.incremental:
+                        moved.append((h.name, (moved_lanes[index][0], moved_lanes[index][1])))
+                if failed >= 0:
+                    h = items[failed][0]
+                    errors.append(CorruptPatchError(f"{record_where(h)}: {_batch_error(status, h)}"))
+        finally:
+            futures = [future for _, _, future in self.runs]
+            wait(futures)  # (an error above: no run may still write when the caller rolls back)
+            self.runner.close()
+        if pending is not None:
+            errors.append(pending)
+        if errors:
+            raise errors[0]
+        return moved
+
+
+@dataclass
+class _Run:
+    """One run of records for fused.apply_batch: its rows and the buffers it reads and writes."""
+
+    table: np.ndarray
+    payloads: np.ndarray
+    positions: np.ndarray
+    old: np.ndarray
+    deltas: np.ndarray
+    lanes: np.ndarray
+    kept: list[ChunkHistory]
+
+    def arguments(self) -> tuple[np.ndarray, ...]:
+        """fused.apply_batch's arguments."""
+        return self.payloads, self.table, self.positions, self.old, self.deltas, self.lanes
 
 
 def _reference_of(h: RecordHeader, references: dict[ChunkKey, ChunkHistory]) -> ChunkHistory:
@@ -627,13 +704,4 @@ def _batch_error(status: int, h: RecordHeader) -> str:
     return bits.kernel_error(status, h.length, h.positions == PositionCoding.GAP_CODES)
 
 
-RANGES_PER_THREAD = 4  # threads take the next range when done: one slow range does not hold the others back
-
-
-def _balanced(counts: np.ndarray, threads: int | None) -> list[tuple[int, int]]:
-    """Consecutive row ranges, RANGES_PER_THREAD per thread (one for a single thread), of about equal total count."""
-    parts = min(len(counts), 1 if threads == 1 else RANGES_PER_THREAD * (threads or default_threads()))
-    ends = np.cumsum(counts)
-    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, parts) / parts, side="right") if parts > 1 else []
-    bounds = sorted({0, *map(int, cuts), len(counts)})
-    return list(itertools.pairwise(bounds))
+RANGES_PER_THREAD = 4  # runs a thread: threads take the next run when done, one slow run holds none back

@@ -8,6 +8,7 @@ the decoded records is codec.apply's job.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -233,32 +234,19 @@ class PatchDecoder:
         offset = 0
         try:
             if self.header is None:
-                parsed = parse_header(view)
-                if parsed is None:
+                start = self._parse_header(view)
+                if start is None:
                     if whole:
                         self._buf += view
                     return out
-                self.header, offset, self.version = parsed
-                if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
-                    raise CorruptPatchError(
-                        f"patch declares {self.header.decoded_bytes} decoded bytes, above the limit {self._max_decoded}"
-                    )
+                offset = start
             while not self.done:
-                parsed_record = parse_record_header(view, offset, self.version)
-                if parsed_record is None:
+                parsed = self._next_record(view, offset, whole)
+                if parsed is None:
                     break
-                h, payload_start = parsed_record
-                if len(view) < payload_start + h.comp_len:
-                    break
-                self._admit(h)
-                if h.kind != RecordKind.END:
-                    payload = view[payload_start : payload_start + h.comp_len]
-                    if not whole:  # the buffer is trimmed below: the payload needs its own bytes
-                        payload = memoryview(bytes(payload))
-                    if payload_hash(payload) != h.payload_hash:
-                        raise CorruptPatchError(f"record for tensor {h.name!r}: payload hash mismatch (corrupted)")
+                h, payload, offset = parsed
+                if payload is not None:
                     out.append((h, payload))
-                offset = payload_start + h.comp_len
             if self.done and offset != len(view):
                 raise CorruptPatchError("patch has trailing bytes after its end record")
         finally:
@@ -269,6 +257,65 @@ class PatchDecoder:
         else:
             del self._buf[:offset]
         return out
+
+    def records(self, patch: bytes | memoryview) -> Iterator[tuple[RecordHeader, memoryview]]:
+        """A whole patch's records, parsed as they are taken (its header now): split and finish in one pass.
+
+        A caller can apply the first records while the next are parsed; a record that fails a check
+        raises only when it is reached, so what its caller applied before it is not undone here.
+        """
+        if self.header is not None or self._buf:
+            raise ValueError("records() parses a whole patch with a fresh decoder")
+        view = memoryview(patch).cast("B")
+        start = self._parse_header(view)
+        if start is None:
+            self.finish()  # truncated: raises
+        return self._each_record(view, start or 0)
+
+    def _each_record(self, view: memoryview, offset: int) -> Iterator[tuple[RecordHeader, memoryview]]:
+        while not self.done:
+            parsed = self._next_record(view, offset, True)
+            if parsed is None:
+                break
+            h, payload, offset = parsed
+            if payload is not None:
+                yield h, payload
+        if self.done and offset != len(view):
+            raise CorruptPatchError("patch has trailing bytes after its end record")
+        self.finish()
+
+    def _parse_header(self, view: memoryview) -> int | None:
+        """Parse the patch header at the start of view; where its records start (None: more bytes needed)."""
+        parsed = parse_header(view)
+        if parsed is None:
+            return None
+        self.header, offset, self.version = parsed
+        if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
+            raise CorruptPatchError(
+                f"patch declares {self.header.decoded_bytes} decoded bytes, above the limit {self._max_decoded}"
+            )
+        return offset
+
+    def _next_record(
+        self, view: memoryview, offset: int, whole: bool
+    ) -> tuple[RecordHeader, memoryview | None, int] | None:
+        """The checked record at offset, its payload (None: the end record), where the next starts; None: incomplete."""
+        parsed = parse_record_header(view, offset, self.version)
+        if parsed is None:
+            return None
+        h, payload_start = parsed
+        end = payload_start + h.comp_len
+        if len(view) < end:
+            return None
+        self._admit(h)
+        if h.kind == RecordKind.END:
+            return h, None, end
+        payload = view[payload_start:end]
+        if not whole:  # the buffer is trimmed: the payload needs its own bytes
+            payload = memoryview(bytes(payload))
+        if payload_hash(payload) != h.payload_hash:
+            raise CorruptPatchError(f"record for tensor {h.name!r}: payload hash mismatch (corrupted)")
+        return h, payload, end
 
     def _admit(self, h: RecordHeader) -> None:
         """Check a record against the header's totals and the records before it."""
