@@ -215,6 +215,7 @@ class PatchDecoder:
         self._whole: str | None = None  # name of the previous whole-tensor record
         self.version = FORMAT_VERSION  # of the patch being parsed, once its header is in
         self.done = False
+        self._parsed_to = 0  # (_complete_records)
 
     def feed(self, data: bytes | memoryview) -> list[PatchRecord]:
         """Consume bytes; return the records they complete, decoded."""
@@ -240,15 +241,8 @@ class PatchDecoder:
                         self._buf += view
                     return out
                 offset = start
-            while not self.done:
-                parsed = self._next_record(view, offset, whole)
-                if parsed is None:
-                    break
-                h, payload, offset = parsed
-                if payload is not None:
-                    out.append((h, payload))
-            if self.done and offset != len(view):
-                raise CorruptPatchError("patch has trailing bytes after its end record")
+            out = list(self._complete_records(view, offset, whole))
+            offset = self._parsed_to
         finally:
             if not whole:
                 view.release()
@@ -273,8 +267,16 @@ class PatchDecoder:
         return self._each_record(view, start or 0)
 
     def _each_record(self, view: memoryview, offset: int) -> Iterator[tuple[RecordHeader, memoryview]]:
+        yield from self._complete_records(view, offset, True)
+        self.finish()
+
+    def _complete_records(
+        self, view: memoryview, offset: int, whole: bool
+    ) -> Iterator[tuple[RecordHeader, memoryview]]:
+        """The complete records in view from offset, checked, up to the end record; then _parsed_to is where
+        the bytes not parsed start."""
         while not self.done:
-            parsed = self._next_record(view, offset, True)
+            parsed = self._next_record(view, offset, whole)
             if parsed is None:
                 break
             h, payload, offset = parsed
@@ -282,7 +284,7 @@ class PatchDecoder:
                 yield h, payload
         if self.done and offset != len(view):
             raise CorruptPatchError("patch has trailing bytes after its end record")
-        self.finish()
+        self._parsed_to = offset
 
     def _parse_header(self, view: memoryview) -> int | None:
         """Parse the patch header at the start of view; where its records start (None: more bytes needed)."""
