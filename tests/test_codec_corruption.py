@@ -111,6 +111,21 @@ def test_truncated_at_every_length_raises_and_leaves_state_untouched(pair, patch
 
 
 @pytest.mark.skipif(fused.apply_batch is None, reason="no numba")
+@pytest.mark.parametrize("declared", [1, 10**12])
+def test_a_header_that_misstates_its_changes_neither_sizes_the_buffers_nor_stops_the_patch(declared: int) -> None:
+    """The batch sizes its buffer by the header's changed_elements, which nothing has checked: a run
+    that does not fit gets a buffer of its own (declared 1), and a huge figure allocates nothing
+    huge (declared 10**12). Either way the patch applies bit for bit."""
+    rng = np.random.default_rng(4)
+    base = {f"layer{i}": random_bits(rng, BF16, (4096,)) for i in range(8)}
+    new = {n: mutate(rng, t, 0.05) for n, t in base.items()}
+    header, records = _records(encode_patch(base, new, CodecParams(chunk_elements=1024)))
+    work = clone_state(base)
+    apply_patch(work, _assemble(header.model_copy(update={"changed_elements": declared}), records), threads=2)
+    assert_states_equal(work, new)
+
+
+@pytest.mark.skipif(fused.apply_batch is None, reason="no numba")
 @pytest.mark.parametrize("threads", [2, 3])  # (on 2 cores, 3 is a pool of its own)
 def test_a_patch_cut_short_after_its_first_runs_were_applied_is_rolled_back_exactly(threads: int) -> None:
     """With threads, the batch kernel applies the first runs of records while the rest are parsed: a
