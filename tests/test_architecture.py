@@ -16,6 +16,7 @@ LAYERS = {
     "errors": 0,
     "dtypes": 1,
     "threads": 1,
+    "deadlines": 1,
     "metrics": 1,
     "atomic_files": 1,
     "mixsum": 1,

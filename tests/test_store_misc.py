@@ -1,16 +1,19 @@
-"""Store plumbing: opening stores from config, key checks, progress reporting."""
+"""Store plumbing: opening stores from config, key checks, progress reporting, a call's deadline."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import io
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pulsesync.config import Config, load_config
-from pulsesync.errors import ConfigError, StoreError
-from pulsesync.store import FileStore, S3Store, TransferProgress, open_store, progress
+from pulsesync.errors import ConfigError, IntegrityError, StoreError
+from pulsesync.store import FileStore, RetryPolicy, S3Store, TransferProgress, open_store, progress, retry
 from pulsesync.store.base import check_key
 from pulsesync.store.config import StoreConfig
 from pulsesync.store.progress import describe, reporter
@@ -77,3 +80,31 @@ def test_progress_bar_on_a_terminal() -> None:
     text = out.getvalue()
     assert text.startswith("\r[" + "#" * 15 + "." * 15 + "] obj: 50 B/100 B (50%)")
     assert text.endswith("(100%) 50 B/s ETA 0s\x1b[K\n")
+
+
+async def test_a_store_call_cancelled_as_its_request_fails_loses_no_exception() -> None:
+    """The request's own error reaches the caller; none is left in a task nobody awaits.
+
+    The race the soak's log showed ("Task exception was never retrieved": an IntegrityError of a
+    body larger than its manifest said, as the sync's deadline cancelled the call): asyncio.wait_for
+    ran the request in a task of its own, and on 3.11 drops what that task raised while cancelled.
+    """
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+    started = asyncio.Event()
+
+    async def request() -> bytes:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:  # the body's size check fails just as the call is cancelled
+            raise IntegrityError("get s3://b/k: larger than the expected 5 bytes (read stopped there)")
+
+    call = asyncio.create_task(retry.call(request, "get", "s3://b/k", RetryPolicy()))
+    await started.wait()
+    call.cancel()
+    with pytest.raises(IntegrityError, match="larger than the expected"):
+        await call
+    gc.collect()  # an unretrieved task exception is reported when the task is freed
+    await asyncio.sleep(0)
+    assert unretrieved == []

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pulsesync.deadlines import within
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 
@@ -43,7 +44,7 @@ class CommandSink(Sink):
         except OSError as e:
             raise EngineError(f"command sink: cannot run {argv[0]!r} ({e.strerror or e})") from None
         try:
-            code = await asyncio.wait_for(proc.wait(), self.config.timeout_seconds)
+            code = await within(self.config.timeout_seconds, proc.wait())
         except asyncio.TimeoutError:
             proc.kill()
             await proc.wait()

@@ -19,6 +19,7 @@ from typing import BinaryIO, ParamSpec, TypeVar
 
 from pulsesync import metrics
 from pulsesync.atomic_files import TEMP_MARK, write_file
+from pulsesync.deadlines import within
 from pulsesync.errors import ConflictError, NotFoundError, StoreError
 from pulsesync.store.base import (
     ObjectInfo,
@@ -71,7 +72,7 @@ class FileStore(Store):
     async def _io(self, op: str, key: str, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run blocking file I/O in a worker thread with a deadline, translating OS errors for this key."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), self.timeout)
+            return await within(self.timeout, asyncio.to_thread(fn, *args, **kwargs))
         except asyncio.TimeoutError:
             raise StoreError(f"{op} {self.url}{key}: no answer within {self.timeout:g} s (hung filesystem?)") from None
         except (IsADirectoryError, NotADirectoryError):

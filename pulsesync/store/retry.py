@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, stop_after_delay
 from tenacity.wait import wait_exponential_jitter
 
+from pulsesync.deadlines import within
 from pulsesync.errors import AccessDeniedError, ConflictError, NotFoundError, PulseSyncError, StoreError
 from pulsesync.metrics import STORE_RETRIES
 
@@ -134,11 +135,11 @@ async def call(fn: Callable[[], Awaitable[T]], op: str, target: str, policy: Ret
     async def tries() -> T:
         async for attempt in retrying:
             with attempt:
-                return await asyncio.wait_for(fn(), policy.attempt_timeout)
+                return await within(policy.attempt_timeout, fn())
         raise AssertionError("unreachable")  # pragma: no cover
 
     try:
-        return await asyncio.wait_for(tries(), policy.max_total)
+        return await within(policy.max_total, tries())
     except asyncio.TimeoutError as e:  # the call's deadline, or a last try's
         raise StoreError(
             f"{op} {target}: no success within its deadline ({policy.attempt_timeout:g} s a try, "

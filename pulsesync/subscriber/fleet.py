@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pulsesync.deadlines import within
 from pulsesync.errors import StoreError
 from pulsesync.protocol.fleet import FleetStatus
 from pulsesync.store import Store
@@ -70,7 +71,7 @@ class FleetReporter:
             updated_at=now,
         )
         try:
-            await asyncio.wait_for(self.store.put(status.key, status.to_bytes()), self.deadline)
+            await within(self.deadline, self.store.put(status.key, status.to_bytes()))
             self._written_at = time.monotonic()
         except (StoreError, asyncio.TimeoutError) as e:
             log.warning("fleet status %s%s not written: %r", self.store.url, status.key, e)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 
+from pulsesync.deadlines import within
 from pulsesync.errors import PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.store import Store
@@ -44,7 +45,7 @@ class PointerPoll:
             return True
         try:
             read = self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
-            got = await asyncio.wait_for(read, self.deadline)
+            got = await within(self.deadline, read)
         except (PulseSyncError, asyncio.TimeoutError) as e:  # missing, oversized, unreachable, slow: list instead
             log.debug("pointer %s%s: %r; listing instead", self.store.url, layout.POINTER_KEY, e)
             self.etag = None

@@ -38,6 +38,7 @@ from tenacity import (
 
 from pulsesync import metrics, mixsum, state_cache
 from pulsesync.codec import PatchHistory, UndoLog, fused
+from pulsesync.deadlines import within
 from pulsesync.digest import StateDigest, TensorHasher
 from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import (
@@ -323,7 +324,7 @@ class Subscriber:
         deadline = self.config.sync_deadline_seconds
         self._sync_started = time.monotonic()
         try:
-            return await asyncio.wait_for(self._sync(target), deadline)
+            return await within(deadline, self._sync(target))
         except asyncio.TimeoutError:
             raise DeadlineError(
                 f"sync did not finish within sync_deadline_seconds ({deadline:g} s); still serving step {self.step}"
