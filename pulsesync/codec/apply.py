@@ -516,9 +516,10 @@ class _Batch:
     Records are added as the patch is parsed. Once a run holds about 1/RANGES_PER_THREAD of a
     thread's share of the patch's payload bytes, its payloads are decompressed here (zstd releases
     the GIL) and a thread decodes and applies the whole run in one call, every check of the
-    single-record path included: the threads apply the first runs while the caller parses the
-    next. close() waits for every run, logs what each applied (and what a failing record wrote)
-    into the undo log and the history, and returns how each record moved its tensor's lanes.
+    single-record path included: threads - 1 workers apply the first runs while the caller parses
+    the next, then the caller applies those no worker has started (threads.Runner). close() waits
+    for every run, logs what each applied (and what a failing record wrote) into the undo log and
+    the history, and returns how each record moved its tensor's lanes.
     """
 
     def __init__(
@@ -628,6 +629,7 @@ class _Batch:
                 self._submit()
         except CorruptPatchError as e:
             pending = e
+        self.runner.run_unstarted()  # the caller is done parsing: it applies the runs no thread has started
         moved: list[tuple[str, tuple[int, int]]] = []
         errors: list[BaseException] = []
         try:

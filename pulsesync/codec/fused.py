@@ -628,15 +628,17 @@ def _apply_planes_2byte(
             next_in_class[c + 1] += next_in_class[c]
     new_bits = np.empty(n if lanes.size else 0, np.int16)
     for i in range(n):
-        if i + AHEAD < n:
-            _prefetch(chunk, positions[i + AHEAD])
         p = positions[i]
-        old = chunk[p]
         j = i
-        if by_class:
+        if by_class:  # the old value was gathered: the chunk is only written (no load waits on a miss)
+            old = old_out[i]
             c = (np.int32(old) >> 7) & 0xFF
             j = next_in_class[c]
             next_in_class[c] += 1
+        else:
+            if i + AHEAD < n:
+                _prefetch(chunk, positions[i + AHEAD])
+            old = chunk[p]
         z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
         if raw:  # new bits: how far they are from the old ones in value order (as bits.to_ordered_)
             new, was = np.int32(np.int16(z)), np.int32(old)
@@ -648,7 +650,11 @@ def _apply_planes_2byte(
         if ref_deltas.size:
             delta += _predicted_offset(old, ref_deltas[i]) if predicted else np.int32(ref_deltas[i])
         delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
-        _write(chunk, p, delta, i, old_out, new_bits)
+        new = _add_ordered(np.int32(old), delta)
+        chunk[p] = new
+        old_out[i] = old
+        if new_bits.size:
+            new_bits[i] = new
         deltas_out[i] = delta
     _add_lanes_of(lanes, positions, old_out, new_bits, first)
 
