@@ -29,7 +29,7 @@ Fan-out: N subscribers (asyncio tasks, each its own S3 client) follow one publis
 (moto where the weed binary is missing); all must converge bit-exact every step; per step, the
 store's requests and bytes served. Baseline in the same run: the smallest model's fast path.
 
-    python bench/scale.py --quick --json out.json   # < 3 minutes: the CI contract
+    python bench/scale.py --quick --json out.json   # 10 steps a size, < 3 minutes: the CI contract
     python bench/scale.py --huge                    # 0.5B-2B parameters, plus one tensor > 2**31 elements
 """
 
@@ -407,7 +407,9 @@ def main() -> None:
 
     key_pem = Ed25519PrivateKey.generate().private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
     if args.quick:  # 0.26B, 0.38B, 0.62B parameters
-        specs = [model_spec(*shape, 1_000_000, 6) for shape in QUICK]
+        # 10 steps: the first two fill the arena pool (codec.arenas) at 1.5-2x a later step's time;
+        # of 6 steps, the median was the mean of the slowest two later ones.
+        specs = [model_spec(*shape, 1_000_000, 10) for shape in QUICK]
     else:  # 0.5B, 1.5B, 3B parameters (the largest whose publisher fits 23 GiB with its trainer)
         specs = [model_spec(*shape, 1_000_000, 5) for shape in QWEN25]
     sizes = []
