@@ -355,6 +355,36 @@ def test_a_position_outside_the_chunk_late_in_a_gap_coded_record_is_refused_and_
     assert moved.abs().max() >= 1
 
 
+@BOTH_KERNELS
+def test_a_class_ordered_record_with_a_position_outside_its_chunk_writes_nothing(
+    pair, kernels: bool, monkeypatch
+) -> None:
+    """EXP_CODES values come in class order, so every old value is gathered before one is written;
+    the batch kernel decodes the GAP_CODES positions inside that gather: the last one, outside the
+    chunk, stops the record before any write (on both paths)."""
+    base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
+
+    def patch(positions: list[int]) -> bytes:
+        codes, extra = encode_gap_codes(np.array(positions, np.int64))
+        symbols = bytes([2] * len(positions))  # every value +1 ordered step (code 1, sign 0)
+        fields = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES}
+        return _one_record_patch(
+            base, RecordKind.SPARSE, ValueCoding.EXP_CODES, codes.tobytes() + extra + symbols, len(positions), **fields
+        )
+
+    bad = [*range(0, 80, 2), 1024]
+    work, undo = clone_state(base), UndoLog()
+    with pytest.raises(CorruptPatchError, match="'sparse' at element 0: a position is outside the chunk of 1024"):
+        apply_patch(work, patch(bad), undo=undo)
+    assert undo.chunks == []
+    assert_states_equal(work, base)
+    work = clone_state(base)  # all inside: applied (so the position is the cause)
+    with pytest.raises(IntegrityError, match="promises"):  # its state digest is deliberately wrong
+        apply_patch(work, patch(bad[:-1]))
+    assert not torch.equal(work["sparse"].view(torch.int16)[0:80:2], base["sparse"].view(torch.int16)[0:80:2])
+
+
 def _history_patch(base: dict, marked: int, fresh: list[int], count: int) -> tuple[bytes, PatchHistory]:
     """A hand-made HISTORY record for 'sparse' against reference positions 10, 20, 30 (bitmap `marked`)."""
     reference = PatchHistory("ab" * 32)
