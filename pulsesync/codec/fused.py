@@ -11,7 +11,8 @@ the tensor (gather, then scatter: a cache and TLB miss each). Here:
   the undo log, and update the mixsum-128 state digest from the old and new bits in a vectorized
   pass;
 - `apply_batch` does all of that for a table of SPARSE and HISTORY records in one call (the
-  subscriber runs one per thread), GAP_CODES positions decoded in the apply loop itself;
+  subscriber runs one per thread), GAP_CODES positions decoded in the apply loop itself (for
+  class-ordered values, in the gather of the old values that precedes their writes);
 - format 3: `class_positions` decodes CLASS_MASKS in one pass over a chunk's old values,
   `encode_value_codes` / the batch's `_value_code_planes` code and decode EXP_CODES, and
   `predicted_offsets` is PREDICTED_CODES' prediction (integer arithmetic, as bits' numpy version);
