@@ -453,24 +453,28 @@ async def test_a_sync_past_its_deadline_is_cut_off_and_reported_unhealthy(
     from pulsesync.errors import DeadlineError
     from pulsesync.sinks import Sink, Update
 
+    cut_off = asyncio.Event()
+
     class Stuck(Sink):
         name = "stuck"
-        stubborn = True
 
         async def deliver(self, update: Update) -> None:
             try:
                 await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                if self.stubborn:  # ignores the first cancellation for a while, as a hung call would
-                    await asyncio.sleep(1.5)
+            except asyncio.CancelledError:  # ignores the cancellation for a while, as a hung call would
+                cut_off.set()
+                await asyncio.sleep(1.5)
                 raise
 
-    sink = Stuck()
-    sub = subscriber(store, key, sync_deadline_seconds=0.5)
-    sub.sinks = [sink]
+    # The deadline leaves the sync time to reach the sink on a loaded machine (0.5 s did not, once, in
+    # a full parallel run: the anchor's download was cut off instead, and the sync was over at 1 s).
+    deadline = 2.0
+    sub = subscriber(store, key, sync_deadline_seconds=deadline)
+    sub.sinks = [Stuck()]
     sync = asyncio.create_task(sub.sync())
-    await asyncio.sleep(1.0)
-    assert not sub.healthy()[0] and sub.healthy()[1]["sync_running_seconds"] > 0.5
+    await asyncio.wait_for(cut_off.wait(), 30)  # the deadline fired while the sink held the sync
+    await asyncio.sleep(0.3)
+    assert not sub.healthy()[0] and sub.healthy()[1]["sync_running_seconds"] > deadline
     with pytest.raises(DeadlineError, match="sync_deadline_seconds"):
         await sync
     assert sub.state is None and sub.healthy()[1]["sync_running_seconds"] is None
