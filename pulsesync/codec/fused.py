@@ -544,6 +544,23 @@ def _gap_at(code: Any, payloads: Any, bit: Any) -> tuple[Any, Any]:
     return gap, bit + nbits
 
 
+def _decode_ahead(chunk: Any, payloads: Any, at: int, i: int, bit: Any, p: Any, positions_out: Any) -> tuple[Any, Any]:
+    """Position i of GAP_CODES codes at payloads[at:] (its extra bits at `bit`), the one after p: into
+    positions_out and prefetched if inside the chunk (the caller checks p < chunk.size); (bit, p) after it."""
+    gap, bit = _gap_at(np.int64(payloads[at + i]), payloads, bit)
+    p += gap + 1
+    if p < chunk.size:
+        positions_out[i] = p
+        _prefetch(chunk, p)
+    return bit, p
+
+
+def _class_starts(counts: Any) -> None:
+    """counts[c + 1] (how many old values are of class c) -> counts[c]: where class c starts in class order."""
+    for c in range(256):
+        counts[c + 1] += counts[c]
+
+
 def _apply_delta_gap_codes(
     chunk: Any,
     payloads: Any,
@@ -567,24 +584,18 @@ def _apply_delta_gap_codes(
     bit = np.int64(8 * (at + n))
     p = np.int64(-1)
     for i in range(min(n, AHEAD)):
-        gap, bit = _gap_at(np.int64(payloads[at + i]), payloads, bit)
-        p += gap + 1
+        bit, p = _decode_ahead(chunk, payloads, at, i, bit, p, positions_out)
         if p >= length:
             return POSITIONS_OUTSIDE, 0
-        positions_out[i] = p
-        _prefetch(chunk, p)
     k = 0
     history = deltas_out.size > 0
     new_bits = np.empty(n if lanes.size else 0, np.int16)
     for i in range(n):
         ahead = i + AHEAD
         if ahead < n:
-            gap, bit = _gap_at(np.int64(payloads[at + ahead]), payloads, bit)
-            p += gap + 1
+            bit, p = _decode_ahead(chunk, payloads, at, ahead, bit, p, positions_out)
             if p >= length:
                 return POSITIONS_OUTSIDE, i
-            positions_out[ahead] = p
-            _prefetch(chunk, p)
         delta, k = _packed_delta(packed, escapes, i, k)
         _write(chunk, positions_out[i], delta, i, old_out, new_bits)
         if history:
@@ -633,8 +644,7 @@ def _gather_classes(chunk: Any, positions: Any, old_out: Any, next_in_class: Any
             _prefetch(chunk, positions[i + AHEAD])
         old_out[i] = chunk[positions[i]]
         next_in_class[((np.int32(old_out[i]) >> 7) & 0xFF) + 1] += 1
-    for c in range(256):
-        next_in_class[c + 1] += next_in_class[c]
+    _class_starts(next_in_class)
 
 
 def _gather_gap_codes(
@@ -651,25 +661,18 @@ def _gather_gap_codes(
     bit = np.int64(8 * (at + n))
     p = np.int64(-1)
     for i in range(min(n, AHEAD)):
-        gap, bit = _gap_at(np.int64(payloads[at + i]), payloads, bit)
-        p += gap + 1
+        bit, p = _decode_ahead(chunk, payloads, at, i, bit, p, positions_out)
         if p >= length:
             return POSITIONS_OUTSIDE
-        positions_out[i] = p
-        _prefetch(chunk, p)
     for i in range(n):
         ahead = i + AHEAD
         if ahead < n:
-            gap, bit = _gap_at(np.int64(payloads[at + ahead]), payloads, bit)
-            p += gap + 1
+            bit, p = _decode_ahead(chunk, payloads, at, ahead, bit, p, positions_out)
             if p >= length:
                 return POSITIONS_OUTSIDE
-            positions_out[ahead] = p
-            _prefetch(chunk, p)
         old_out[i] = chunk[positions_out[i]]
         next_in_class[((np.int32(old_out[i]) >> 7) & 0xFF) + 1] += 1
-    for c in range(256):
-        next_in_class[c + 1] += next_in_class[c]
+    _class_starts(next_in_class)
     return POSITIONS_OK
 
 
@@ -964,6 +967,8 @@ _njit = numba.njit(cache=True, nogil=True, boundscheck=False) if numba is not No
 if numba is not None:  # the kernels call these compiled, inlined
     _lanes_of = numba.njit(inline="always", boundscheck=False)(_lanes_of)
     _gap_at = numba.njit(inline="always", boundscheck=False)(_gap_at)
+    _decode_ahead = numba.njit(inline="always", boundscheck=False)(_decode_ahead)
+    _class_starts = numba.njit(inline="always", boundscheck=False)(_class_starts)
     _check_gap_codes = numba.njit(nogil=True, boundscheck=False)(_check_gap_codes)
     _add_ordered = numba.njit(inline="always")(_add_ordered)
     _packed_delta = numba.njit(inline="always", boundscheck=False)(_packed_delta)
