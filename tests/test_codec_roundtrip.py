@@ -23,6 +23,7 @@ from pulsesync.codec import (
     fused,
     read_header,
 )
+from pulsesync.codec.encoder import chunk_bounds
 from pulsesync.digest import state_digest
 from pulsesync.dtypes import DTYPES, dtype_info, flat_bits
 from pulsesync.errors import CorruptPatchError
@@ -41,6 +42,31 @@ def test_roundtrip_any_state(pair: tuple[dict, dict], coding: str, level: int) -
     digest = apply_patch(work, patch)
     assert_states_equal(work, new)
     assert digest is not None and digest.root == state_digest(new).root
+
+
+@given(numel=st.integers(0, 10**7), step=st.integers(1 << 10, 1 << 22))
+def test_chunks_tile_a_tensor_and_a_tail_under_half_a_chunk_joins_the_one_before(numel: int, step: int) -> None:
+    bounds = chunk_bounds(numel, step)
+    if numel == 0:
+        assert bounds == []
+        return
+    lengths = np.diff(bounds)
+    assert bounds[0] == 0 and bounds[-1] == numel and (lengths[:-1] == step).all()
+    assert lengths[-1] < step + step // 2  # never more than 1.5 chunks
+    assert len(lengths) == 1 or lengths[-1] >= step // 2  # and no short tail of its own
+
+
+def test_a_short_tail_is_patched_in_the_last_chunks_record() -> None:
+    """A tensor of 2 chunks and 100 elements: two records, the second covering the tail, bit-exact."""
+    base = {"w": torch.randn(2 * 1024 + 100, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"].view(torch.int16)[[5, 1500, 2050, 2147]] += 1  # in both chunks, and in the tail
+    patch = encode_patch(base, new, CodecParams(chunk_elements=1024))
+    records = [h for h, _ in PatchDecoder().records(patch)]
+    assert [(h.start, h.length, h.count) for h in records] == [(0, 1024, 1), (1024, 1124, 3)]
+    work = clone_state(base)
+    apply_patch(work, patch)
+    assert_states_equal(work, new)
 
 
 @given(pair=state_pairs(), coding=st.sampled_from(CODINGS), threads=st.sampled_from([1, 2]))

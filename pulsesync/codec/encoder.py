@@ -613,6 +613,19 @@ def _strided_tasks(
     return tasks
 
 
+def chunk_bounds(numel: int, step: int) -> list[int]:
+    """Where a tensor's chunks start, and its end: every `step` elements, except that a last chunk of
+    less than half a step joins the one before (at most 1.5 steps).
+
+    Each record costs its subscriber ~30 us whatever its size: Qwen2.5's 896 x 4864 MLP matrices
+    were a 4M chunk and a 164K one, a quarter of a 0.5B model's records.
+    """
+    starts = list(range(0, numel, step))
+    if len(starts) > 1 and numel - starts[-1] < step // 2:
+        starts.pop()
+    return [*starts, numel] if starts else []
+
+
 def _chunk_tasks(
     params: CodecParams,
     name: str,
@@ -631,9 +644,8 @@ def _chunk_tasks(
         new_t = new_t.to(old_t.device)
     info = dtype_info(old_t.dtype)
     old, new = flat_bits(old_t), flat_bits(new_t)
-    shape, step = shape or tuple(old_t.shape), params.chunk_elements
-    chunks = [
-        _Chunk(name, info, shape, offset + s, old[s : s + step], new[s : s + step]) for s in range(0, old.numel(), step)
-    ]
+    shape = shape or tuple(old_t.shape)
+    bounds = chunk_bounds(old.numel(), params.chunk_elements)
+    chunks = [_Chunk(name, info, shape, offset + s, old[s:e], new[s:e]) for s, e in itertools.pairwise(bounds)]
     refs = reference.chunks if reference is not None else {}
     return [partial(_encode_chunk, params, c, refs.get(c.key), by_classes) for c in chunks]

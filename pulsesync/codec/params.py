@@ -31,7 +31,11 @@ class CodecParams(BaseModel):
     )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level; 1 is the speed/ratio sweet spot")
     chunk_elements: int = Field(
-        1 << 22, ge=1 << 10, le=1 << 30, description="elements per record: the unit of parallelism and streaming"
+        1 << 22,
+        ge=1 << 10,
+        le=1 << 30,
+        description="elements per record: the unit of parallelism and streaming (a tensor's tail under half "
+        "of it joins its last chunk)",
     )
     digest_algorithm: DigestAlgorithm = Field(
         DEFAULT_ALGORITHM,
