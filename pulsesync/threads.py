@@ -93,8 +93,15 @@ class Runner:
 
     def run_unstarted(self) -> None:
         """Run here, newest first, every task no worker has started (the workers take the oldest first)."""
-        for task in reversed(self._tasks):
-            task.run()
+        while self.run_one():
+            pass
+
+    def run_one(self) -> bool:
+        """Run here the newest task no worker has started; False when there is none."""
+        while self._tasks:
+            if self._tasks.pop().run():
+                return True
+        return False
 
     def close(self) -> None:
         """Wait for the tasks of a pool of its own, and shut it down."""
@@ -110,14 +117,15 @@ class _Task(Generic[R]):
         self.future: Future[R] = Future()
         self._claimed = threading.Lock()
 
-    def run(self) -> None:
-        """Run it, unless another thread has (its result or exception in the future)."""
+    def run(self) -> bool:
+        """Run it, unless another thread has (its result or exception in the future); whether this call ran it."""
         if not self._claimed.acquire(blocking=False):
-            return
+            return False
         try:
             self.future.set_result(self.fn(*self.args))
         except BaseException as e:  # as a pool's future holds it
             self.future.set_exception(e)
+        return True
 
 
 _side_pool: ThreadPoolExecutor | None = None

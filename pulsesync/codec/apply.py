@@ -629,11 +629,14 @@ class _Batch:
                 self._submit()
         except CorruptPatchError as e:
             pending = e
-        self.runner.run_unstarted()  # the caller is done parsing: it applies the runs no thread has started
         moved: list[tuple[str, tuple[int, int]]] = []
         errors: list[BaseException] = []
         try:
             for items, run, future in self.runs:  # in order, each as soon as it is done
+                # The caller is done parsing: until this run is done, it applies runs no worker has started
+                # (the newest first), then logs each done one while the workers apply the last.
+                while not future.done() and self.runner.run_one():
+                    pass
                 failed, status, done = future.result()
                 end = len(items) if failed < 0 else failed
                 positions_at, deltas_at = run.positions.ctypes.data, run.deltas.ctypes.data
