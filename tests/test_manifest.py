@@ -17,6 +17,7 @@ from pulsesync.errors import (
     UnknownKeyError,
     UnsupportedVersionError,
 )
+from pulsesync.protocol import manifest as manifest_module
 from pulsesync.protocol import signing
 from pulsesync.protocol.manifest import (
     AnchorFormat,
@@ -115,6 +116,31 @@ def test_added_or_removed_field_and_reformatting() -> None:
         verify_manifest(canonical_json({k: v for k, v in doc.items() if k != "created_at"}), TRUSTED)
     # Whitespace and key order are not content: a pretty-printed copy still verifies.
     assert verify_manifest(json.dumps(doc, indent=2).encode(), TRUSTED).step == 5
+
+
+def test_stored_bytes_are_verified_as_they_are_and_any_other_form_in_canonical_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A marker as publishers store it verifies on its own bytes (the signature member cut out) without
+    being put in canonical form again; any other form of the same fields takes the canonical path."""
+    manifest = _patch_manifest().signed(KEY)
+    data = manifest.to_bytes()
+    canonical: list[bytes] = []
+    real = manifest_module._verify_canonical
+    monkeypatch.setattr(manifest_module, "_verify_canonical", lambda d, *a: canonical.append(d) or real(d, *a))
+    assert verify_manifest(data, TRUSTED) == manifest and canonical == []
+    doc = json.loads(data)
+    signature = doc.pop("signature")
+    first = b'{"signature":"' + signature.encode() + b'",' + canonical_json(doc)[1:]  # not where it sorts
+    pretty = json.dumps({**doc, "signature": signature}, indent=1).encode()
+    cut = data.index(b',"signature"')
+    doubled = data[:cut] + b',"signature":"AAAA"' + data[cut:]  # a forged member first: JSON keeps the last
+    for other in (first, pretty, doubled):
+        assert verify_manifest(other, TRUSTED) == manifest and canonical[-1] == other
+    bad = data.replace(signature.encode(), signature[:-4].encode() + b"AAA=")
+    with pytest.raises(SignatureError):
+        verify_manifest(bad, TRUSTED)
+    assert canonical[-1] == bad  # the stored path does not decide a failure: the canonical path names it
 
 
 def test_type_coercion_cannot_hide_a_tamper() -> None:

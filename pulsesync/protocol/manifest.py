@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -226,6 +227,48 @@ def verify_manifest(
     Raises ManifestError (malformed), UnsupportedVersionError, UnknownKeyError, SignatureError
     (bad signature or any tampered field) or ReplayError (step <= newer_than).
     """
+    manifest = _verify_as_stored(data, trusted, name)
+    if manifest is None:
+        manifest = _verify_canonical(data, trusted, name)
+    check_newer(manifest, newer_than, name)
+    return manifest
+
+
+# A manifest as publishers store it (to_bytes): its signed payload with the signature member put in
+# among the top-level keys (keys sort, so it is the first such member; strings escape their quotes).
+_SIGNATURE_MEMBER = re.compile(rb',"signature":"([A-Za-z0-9+/]*={0,2})"')
+
+
+def _verify_as_stored(
+    data: bytes, trusted: Mapping[str, Ed25519PublicKey], name: str
+) -> PatchManifest | AnchorManifest | None:
+    """The manifest, if the bytes around its signature member are what the signature signs; else None.
+
+    Verifies and parses exactly the signed bytes, so the fields are the signer's, as the canonical
+    path's are, without putting them in canonical form again (0.6 of 1.8 ms for a 0.5B model's
+    manifest, on every fast-path step). None: anything else, which _verify_canonical decides.
+    """
+    found = _SIGNATURE_MEMBER.search(data) if len(data) <= MAX_MANIFEST_BYTES else None
+    if found is None:
+        return None
+    payload = data[: found.start()] + data[found.end() :]
+    try:
+        raw = json.loads(payload, parse_float=_no_floats, parse_constant=_no_floats)
+    except (ValueError, RecursionError, ManifestError):
+        return None
+    if not isinstance(raw, dict) or raw.get("format_version") != MANIFEST_VERSION or "signature" in raw:
+        return None
+    kid, signature = raw.get("key_id"), found.group(1).decode("ascii")
+    public_key = trusted.get(kid) if isinstance(kid, str) else None
+    if public_key is None or not signing.is_valid(public_key, payload, signature):
+        return None
+    return _validate(raw | {"signature": signature}, name)
+
+
+def _verify_canonical(
+    data: bytes, trusted: Mapping[str, Ed25519PublicKey], name: str
+) -> PatchManifest | AnchorManifest:
+    """Parse any JSON form of a manifest, and authenticate its fields in canonical form."""
     raw = _load(data, name)
     kid, signature = raw.get("key_id"), raw.get("signature")
     if not isinstance(kid, str) or not isinstance(signature, str) or not signature:
@@ -238,9 +281,7 @@ def verify_manifest(
     except (ValueError, RecursionError) as e:  # a lone surrogate does not encode (UnicodeEncodeError)
         raise ManifestError(f"{name}: cannot be put in canonical form ({type(e).__name__})") from None
     signing.verify(public_key, payload, signature, name)
-    manifest = _validate(raw, name)
-    check_newer(manifest, newer_than, name)
-    return manifest
+    return _validate(raw, name)
 
 
 def check_newer(manifest: PatchManifest | AnchorManifest, newer_than: int | None, name: str) -> None:

@@ -29,16 +29,22 @@ def sign(private_key: Ed25519PrivateKey, payload: bytes) -> str:
     return base64.b64encode(private_key.sign(payload)).decode("ascii")
 
 
+def is_valid(public_key: Ed25519PublicKey, payload: bytes, signature: str) -> bool:
+    """Whether signature (base64) is a valid Ed25519 signature of payload."""
+    try:
+        public_key.verify(base64.b64decode(signature.encode("ascii"), validate=True), payload)
+    except (InvalidSignature, ValueError, UnicodeEncodeError):
+        return False
+    return True
+
+
 def verify(public_key: Ed25519PublicKey, payload: bytes, signature: str, what: str) -> None:
     """Raise SignatureError unless signature is a valid Ed25519 signature of payload."""
-    try:
-        raw = base64.b64decode(signature.encode("ascii"), validate=True)
-        public_key.verify(raw, payload)
-    except (InvalidSignature, ValueError, UnicodeEncodeError):
+    if not is_valid(public_key, payload, signature):
         raise SignatureError(
             f"{what}: signature does not verify against key {key_id(public_key)} "
             "(content was modified or signed by another key)"
-        ) from None
+        )
 
 
 def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
