@@ -127,12 +127,15 @@ def update_digest(
     state: Mapping[str, torch.Tensor],
     changes: Iterable[tuple[str, tuple[int, int]]],
     whole: Iterable[str],
+    expected: StateDigest | None = None,
 ) -> StateDigest:
     """The digest of `state` from the digest of the state before some changes (an incremental algorithm only).
 
     `changes` holds (tensor, how its lane sums moved) pairs, any number per tensor (`lane_change`, or the
     apply kernels): O(changed elements) in all. Tensors named in `whole` (added, replaced) are
-    hashed whole; tensors gone are dropped.
+    hashed whole; tensors gone are dropped. With `expected` (the digest the state must have: a
+    signed manifest's), `expected` itself is returned when the updated entries hash to its root:
+    no entry objects are made (~280 a fast-path step of a 0.5B model, half of this function's time).
     """
     if base.algorithm not in INCREMENTAL:
         raise ValueError(f"digest algorithm {base.algorithm} cannot be updated incrementally")
@@ -146,6 +149,11 @@ def update_digest(
             rehash.add(name)
             continue
         lanes[name] = mixsum.add(lanes.get(name) or mixsum.from_hex(tensors[name].digest), moved)
+    if expected is not None and not rehash and expected.algorithm == base.algorithm and len(tensors) == len(state):
+        updated = {n: mixsum.to_hex(sums) for n, sums in lanes.items()}
+        entries = [(n, d.dtype, d.shape, updated.get(n, d.digest)) for n, d in tensors.items()]
+        if _root_of(entries, base.algorithm) == expected.root:
+            return expected
     for name, sums in lanes.items():  # (validating costs less than pydantic's model_construct)
         kept = tensors[name]
         tensors[name] = TensorDigest(dtype=kept.dtype, shape=kept.shape, digest=mixsum.to_hex(sums))
@@ -186,8 +194,13 @@ def summed_digest(
 
 def root_digest(tensors: dict[str, TensorDigest], algorithm: DigestAlgorithm) -> str:
     """Root digest over the canonical JSON of the sorted per-tensor entries."""
-    entries = [[n, tensors[n].dtype, list(tensors[n].shape), tensors[n].digest] for n in sorted(tensors)]
-    canonical = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _root_of([(n, d.dtype, d.shape, d.digest) for n, d in tensors.items()], algorithm)
+
+
+def _root_of(entries: list[tuple[str, str, tuple[int, ...], str]], algorithm: DigestAlgorithm) -> str:
+    """Root digest over the canonical JSON of (name, dtype, shape, digest) entries, sorted by name."""
+    ordered = [[name, dtype, list(shape), digest] for name, dtype, shape, digest in sorted(entries)]
+    canonical = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     hasher = _new_hasher(algorithm)
     hasher.update(canonical)
     return hasher.hexdigest()

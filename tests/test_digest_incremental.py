@@ -114,8 +114,15 @@ def test_update_digest_from_lane_changes(seed: int, changes: int, start: int) ->
     chunk, index = state["w"].view(torch.int16)[start:], torch.from_numpy(positions)
     old = chunk[index].clone()
     chunk[index] = torch.from_numpy(rng.integers(-(2**15), 2**15, changes, dtype=np.int16))
-    updated = update_digest(base, state, [("w", lane_change(old, chunk[index], start, positions))], whole=[])
+    moved = [("w", lane_change(old, chunk[index], start, positions))]
+    updated = update_digest(base, state, moved, whole=[])
     assert updated == state_digest(state, "mixsum-128")
+    # The digest the caller expects (a manifest's) is returned itself when the update arrives at it,
+    # and ignored when it does not: the update is then made as without it (its caller names the mismatch).
+    expected = state_digest(state, "mixsum-128")
+    assert update_digest(base, state, moved, whole=[], expected=expected) is expected
+    other = state_digest({"w": state["w"].neg()}, "mixsum-128")
+    assert update_digest(base, state, moved, whole=[], expected=other) == updated != other
 
 
 def test_non_incremental_algorithms_refuse_an_update() -> None:

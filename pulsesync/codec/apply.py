@@ -324,11 +324,13 @@ def apply_patch(
     undo: UndoLog | None = None,
     reference: PatchHistory | None = None,
     history: PatchHistory | None = None,
+    expected: StateDigest | None = None,
 ) -> StateDigest | None:
     """Apply a patch to `state` in place; bit-exact. Returns the new state's digest if verified.
 
     `base_digest` is the digest of `state` if already known (else it is computed); it must equal
-    the patch's base digest. With `verify`, the result's digest must equal the patch's state digest:
+    the patch's base digest. With `verify`, the result's digest must equal the patch's state digest
+    (`expected`, the digest its signed manifest lists, is returned as the result's when it is):
     each tensor is re-hashed on another core as soon as its last record is applied (overlapping
     the decode of the next ones), and tensors the patch does not touch keep their base digest.
     On any error `state` may be partially patched: pass an `undo` log and roll it back, or apply
@@ -364,7 +366,7 @@ def apply_patch(
     if not verify:
         return None
     if incremental:
-        result = update_digest(current, state, moved, [r.name for r in whole_records])
+        result = update_digest(current, state, moved, [r.name for r in whole_records], expected)
     else:
         tensors = {n: rehashed[n].result() if n in rehashed else _kept(current, state, n) for n in sorted(state)}
         result = StateDigest(algorithm=algorithm, root=root_digest(tensors, algorithm), tensors=tensors)
@@ -381,12 +383,14 @@ def apply_parts(
     threads: int | None = 1,
     max_decoded_bytes: int | None = None,
     undo: UndoLog | None = None,
+    expected: StateDigest | None = None,
 ) -> StateDigest:
     """Apply a sharded step's parts in order, in place; returns the digest they compose to.
 
     Each part holds chunk records of the pieces one rank owns, made against the step's base
-    (`base_digest`); the caller checks the result against the step's signed manifest. On any
-    error `state` may be partially patched: roll `undo` back.
+    (`base_digest`); the caller checks the result against the step's signed manifest (`expected`,
+    returned as the result when they compose to it). On any error `state` may be partially
+    patched: roll `undo` back.
     """
     if base_digest.algorithm not in INCREMENTAL:
         raise IntegrityError(f"a sharded patch needs an incremental digest, the state has {base_digest.algorithm}")
@@ -405,7 +409,7 @@ def apply_parts(
         if whole := [h.name for h, _ in raw_records if h.kind not in _CHUNK_KINDS]:
             raise CorruptPatchError(f"part {index} of a sharded step: tensor {whole[0]!r} has a whole-tensor record")
         moved += _apply_records(state, parser, raw_records, len(patch), undo, None, None, threads, True, True)[0]
-    return update_digest(base_digest, state, moved, [])
+    return update_digest(base_digest, state, moved, [], expected)
 
 
 _CHUNK_KINDS = (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY)

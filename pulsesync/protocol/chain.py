@@ -317,6 +317,7 @@ class ChainClient:
                 threads=self.threads,
                 undo=undo,
                 max_decoded_bytes=limit,
+                expected=manifest.state_digest,
             )
         else:
             new = await in_thread_to_completion(
@@ -329,6 +330,7 @@ class ChainClient:
                 max_decoded_bytes=limit,
                 reference=reference,
                 history=history,
+                expected=manifest.state_digest,
             )
         assert new is not None  # verify=True
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
