@@ -65,7 +65,7 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T]
 class Runner:
     """Tasks submitted one by one while the caller makes the next: threads - 1 workers run them, and the
     caller itself runs, newest first, those no worker has started once it has submitted the last
-    (run_unstarted). All inline when threads == 1.
+    (run_one). All inline when threads == 1.
 
     threads workers beside a busy caller would be threads + 1 threads on threads cores: on 2 cores
     the caller, which parses and decompresses what the workers apply, ran a third of the time late.
@@ -91,13 +91,8 @@ class Runner:
             self._pool.submit(task.run)
         return task.future
 
-    def run_unstarted(self) -> None:
-        """Run here, newest first, every task no worker has started (the workers take the oldest first)."""
-        while self.run_one():
-            pass
-
     def run_one(self) -> bool:
-        """Run here the newest task no worker has started; False when there is none."""
+        """Run here the newest task no worker has started (the workers take the oldest first); False: none is left."""
         while self._tasks:
             if self._tasks.pop().run():
                 return True

@@ -25,14 +25,15 @@ def test_the_caller_runs_the_tasks_no_worker_has_started_newest_first() -> None:
 
     futures = [runner.submit(task, i) for i in range(5)]
     assert started.wait(10)
-    runner.run_unstarted()
+    while runner.run_one():
+        pass
     here = threading.get_ident()
     assert ran == [(4, here), (3, here), (2, here), (1, here)]  # the worker takes the oldest, the caller the newest
     release.set()
     assert [futures[i].result(10) for i in (0, 1, 2, 4)] == [0, 1, 4, 16]
     with pytest.raises(ValueError, match="three"):
         futures[3].result()
-    runner.run_unstarted()  # nothing runs twice
+    assert not runner.run_one()  # nothing runs twice
     runner.close()
     assert sorted(i for i, _ in ran) == [0, 1, 2, 3, 4]
     assert next(thread for i, thread in ran if i == 0) != here
