@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.digest import state_digest
 from pulsesync.errors import (
+    IntegrityError,
     ManifestError,
     ReplayError,
     SignatureError,
@@ -141,6 +142,22 @@ def test_stored_bytes_are_verified_as_they_are_and_any_other_form_in_canonical_f
     with pytest.raises(SignatureError):
         verify_manifest(bad, TRUSTED)
     assert canonical[-1] == bad  # the stored path does not decide a failure: the canonical path names it
+
+
+@pytest.mark.parametrize("make", [_patch_manifest, _anchor_manifest])
+def test_any_byte_of_a_stored_marker_changed_is_refused_or_verifies_to_the_signed_fields(make) -> None:
+    """Every byte, each set to another value: an IntegrityError, or (base64's spare bits in the
+    signature's last character) the same signed fields; never other fields."""
+    manifest = make().signed(KEY)
+    data = manifest.to_bytes()
+    for at in range(len(data)):
+        for value in {data[at] ^ 1, data[at] ^ 0x20, ord('"')} - {data[at]}:
+            changed = data[:at] + bytes([value]) + data[at + 1 :]
+            try:
+                got = verify_manifest(changed, TRUSTED, name="m")
+            except IntegrityError:
+                continue
+            assert got.model_copy(update={"signature": ""}) == manifest.model_copy(update={"signature": ""})
 
 
 def test_type_coercion_cannot_hide_a_tamper() -> None:
