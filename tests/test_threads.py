@@ -43,23 +43,3 @@ def test_one_thread_runs_every_task_inline() -> None:
     runner = Runner(1)
     future = runner.submit(threading.get_ident)
     assert future.done() and future.result() == threading.get_ident()
-
-
-def test_run_one_runs_the_newest_task_no_worker_has_started_and_says_when_none_is_left() -> None:
-    runner = Runner(2)
-    started, release = threading.Event(), threading.Event()
-
-    def hold() -> str:
-        started.set()
-        assert release.wait(10)
-        return "held"
-
-    held = runner.submit(hold)
-    assert started.wait(10)  # the worker is busy: the next two stay unstarted
-    first, second = runner.submit(lambda: "first"), runner.submit(lambda: "second")
-    assert runner.run_one() and second.done() and not first.done()
-    assert runner.run_one() and first.result() == "first"
-    assert not runner.run_one()
-    release.set()
-    assert held.result(10) == "held" and second.result() == "second"
-    runner.close()

@@ -254,7 +254,7 @@ def _verify_as_stored(
     payload = data[: found.start()] + data[found.end() :]
     try:
         raw = json.loads(payload, parse_float=_no_floats, parse_constant=_no_floats)
-    except (ValueError, RecursionError, ManifestError):
+    except (ValueError, RecursionError):  # (_no_floats raises ValueError)
         return None
     if not isinstance(raw, dict) or raw.get("format_version") != MANIFEST_VERSION or "signature" in raw:
         return None
