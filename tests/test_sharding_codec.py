@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pulsesync.codec import CodecParams, apply_parts, apply_patch, encode, encode_part
+from pulsesync.codec.parse import PatchDecoder
 from pulsesync.digest import state_digest
 from pulsesync.errors import ConfigError, CorruptPatchError, IntegrityError
 from pulsesync.sharding import Piece, Rows, local_pieces, validate
@@ -213,3 +214,34 @@ def test_row_wise_parts_split_along_dim_1_compose_bit_for_bit(world: int) -> Non
     ]
     with pytest.raises(ConfigError, match="pieces overlap at element 1"):
         validate(overlapping)
+
+
+def test_a_strided_pieces_short_tail_joins_the_chunk_before_it() -> None:
+    """A dim-1 split of a tensor of 2 chunks and 100 elements: the tail's changes go in the last chunk's record,
+    as in an unsharded patch (codec.encoder.chunk_bounds), and apply bit for bit."""
+    rows, cols = 43, 50  # 2,150 elements: chunks of 1,024 leave a tail of 102
+    rng = np.random.default_rng(7)
+    base = {"w": torch.from_numpy(rng.standard_normal((rows, cols), np.float32)).bfloat16()}
+    new = {"w": base["w"].clone()}
+    new["w"].view(-1).view(torch.int16)[[5, 1500, 2060, 2147]] += 1  # in both chunks, and in the tail
+    digest = state_digest(base)
+    params = CodecParams(chunk_elements=1024)
+    parts = []
+    for rank, (a, b) in enumerate([(0, 25), (25, 50)]):
+        piece = Piece("w", a, rows * (b - a), (rows, cols), "BF16", rank, runs=rows, stride=cols)
+        old_local, new_local = base["w"][:, a:b].contiguous(), new["w"][:, a:b].contiguous()
+        part = encode_part(
+            {"w": old_local},
+            {"w": new_local},
+            {"w": piece},
+            params,
+            part=rank,
+            base_root=digest.root,
+            dense_bytes_total=0,
+        )
+        parts.append(part.data)
+    records = [h for part in parts for h, _ in PatchDecoder().records(part)]
+    assert sorted((h.start, h.length) for h in records) == [(0, 1024), (1024, 1126), (1024, 1126)]
+    held = clone_state(base)
+    assert apply_parts(held, parts, base_digest=digest).root == state_digest(new).root
+    assert_states_equal(held, new)

@@ -588,13 +588,13 @@ def _strided_tasks(
     if local.size == 0:
         return []
     where = piece.global_positions(local)
-    step = params.chunk_elements
-    chunk_of = where // step
+    grid = np.array(chunk_bounds(piece.numel, params.chunk_elements))  # the global tensor's, as every rank cuts it
+    chunk_of = np.searchsorted(grid, where, side="right") - 1
     bounds = np.flatnonzero(np.diff(chunk_of)) + 1
     tasks: list[Callable[[], _Record | None]] = []
     for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), local.size], strict=True):
-        start = int(chunk_of[lo]) * step
-        length = min(step, piece.numel - start)
+        start, end = int(grid[chunk_of[lo]]), int(grid[chunk_of[lo] + 1])
+        length = end - start
         index = torch.from_numpy(local[lo:hi]).to(old.device)
         # The record's identity (name, dtype, global shape, start); its values are gathered below.
         chunk = _Chunk(piece.name, info, piece.shape, start, old[:0], new[:0])
