@@ -332,9 +332,9 @@ def _without_numba(fn: Any, *args: Any) -> Any:
     size=st.integers(0, 300),
     skew=st.integers(0, 7),
 )
-def test_changed_positions_agree_on_both_paths(seed: int, dtype: type[np.integer], size: int, skew: int) -> None:
-    """The encoder's diff: numba's word-at-a-time kernel and numpy find the same positions, for every element
-    width, at any alignment (a slice `skew` elements in) and with a tail shorter than a word."""
+def test_changed_elements_agree_on_both_paths(seed: int, dtype: type[np.integer], size: int, skew: int) -> None:
+    """The encoder's diff: numba's word-at-a-time kernel and numpy find the same positions and elements, for
+    every element width, at any alignment (a slice `skew` elements in) and with a tail shorter than a word."""
     rng = np.random.default_rng(seed)
     info = np.iinfo(dtype)
     old = rng.integers(info.min, info.max, size + skew, dtype=dtype, endpoint=True)
@@ -343,8 +343,13 @@ def test_changed_positions_agree_on_both_paths(seed: int, dtype: type[np.integer
     new[flips] ^= np.array(1, dtype) << rng.integers(0, 8 * old.itemsize, int(flips.sum())).astype(dtype)
     old, new = old[skew:], new[skew:]
     expected = np.flatnonzero(old != new)
-    assert np.array_equal(bits.changed_positions(old, new), expected)
-    assert np.array_equal(_without_numba(bits.changed_positions, old, new), expected)
+    for positions, old_found, new_found in (
+        bits.changed_elements(old, new),
+        _without_numba(bits.changed_elements, old, new),
+    ):
+        assert np.array_equal(positions, expected) and positions.dtype == np.int64
+        assert old_found.dtype == new_found.dtype == dtype
+        assert np.array_equal(old_found, old[expected]) and np.array_equal(new_found, new[expected])
 
 
 @SETTINGS

@@ -262,23 +262,37 @@ def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, off
     return deltas
 
 
-def changed_positions(old: np.ndarray, new: np.ndarray, step: int = 1 << 20) -> np.ndarray:
-    """Sorted positions where two equal-length integer arrays differ bitwise (int64).
+def changed_elements(
+    old: np.ndarray, new: np.ndarray, step: int = 1 << 20
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted positions where two equal-length integer arrays differ bitwise (int64), and the elements there in each.
 
-    numba's kernel where installed (fused.changed_words: ~1.8x numpy on a 72 MB state), else
-    numpy's compare + flatnonzero on cache-sized slices (~2x torch's ne + nonzero on CPU).
+    numba's kernel where installed (fused.changed_words: ~1.8x numpy on a 72 MB state, the
+    elements kept as it finds them), else numpy's compare + flatnonzero on cache-sized slices
+    (~2x torch's ne + nonzero on CPU) and a gather.
     """
     words = old.size * old.itemsize // 8
     kernel = fused.changed_words.get(old.itemsize) if fused.enabled else None
     if kernel is not None and words and old.ctypes.data % 8 == new.ctypes.data % 8 == 0:
-        lanes = 8 // old.itemsize
-        out = np.empty(old.size, np.int64)  # pages are committed only where written
-        n = kernel(old[: words * lanes].view(np.uint64), new[: words * lanes].view(np.uint64), out)
-        tail = np.flatnonzero(old[words * lanes :] != new[words * lanes :]) + words * lanes
-        return np.concatenate([out[:n], tail])
+        lanes, unsigned = 8 // old.itemsize, f"u{old.itemsize}"
+        # Pages are committed only where written: some 1% of each in an RL patch.
+        out, old_out, new_out = (
+            np.empty(old.size, np.int64),
+            np.empty(old.size, old.dtype),
+            np.empty(old.size, old.dtype),
+        )
+        body = slice(0, words * lanes)
+        n = kernel(
+            old[body].view(np.uint64), new[body].view(np.uint64), out, old_out.view(unsigned), new_out.view(unsigned)
+        )
+        tail = np.flatnonzero(old[body.stop :] != new[body.stop :]) + body.stop
+        if not tail.size:
+            return out[:n].copy(), old_out[:n].copy(), new_out[:n].copy()
+        positions = np.concatenate([out[:n], tail])
+        return positions, np.concatenate([old_out[:n], old[tail]]), np.concatenate([new_out[:n], new[tail]])
     found = [np.flatnonzero(old[s : s + step] != new[s : s + step]) + s for s in range(0, old.size, step)]
-    positions: np.ndarray = np.concatenate(found) if found else np.empty(0, np.int64)
-    return positions
+    positions = np.concatenate(found) if found else np.empty(0, np.int64)
+    return positions, old[positions], new[positions]
 
 
 def _gaps(positions: np.ndarray) -> np.ndarray:

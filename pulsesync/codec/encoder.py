@@ -163,11 +163,13 @@ def _chunk_fields(chunk: _Chunk, kind: RecordKind, length: int, count: int) -> d
     }
 
 
-def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
-    """Sorted positions where two flat integer tensors differ bitwise, as host int64."""
+def _changed_elements(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Sorted positions where two flat integer tensors differ bitwise (host int64), and their elements there."""
     if old.device.type != "cpu":
-        return torch.nonzero(old != new).view(-1).cpu().numpy()
-    return bits.changed_positions(old.numpy(), new.numpy())  # numpy: ~2-4x torch's ne + nonzero on CPU
+        index = torch.nonzero(old != new).view(-1)
+        return index.cpu().numpy(), old.index_select(0, index), new.index_select(0, index)
+    positions, old_values, new_values = bits.changed_elements(old.numpy(), new.numpy())  # ~2-4x torch's on CPU
+    return positions, torch.from_numpy(old_values), torch.from_numpy(new_values)
 
 
 @dataclass(frozen=True)
@@ -194,14 +196,12 @@ def _encode_chunk(
     winners once more as the record's frame.
     """
     old, new, info = chunk.old, chunk.new, chunk.info
-    positions = _changed_positions(old, new)
+    positions, old_values, new_values = _changed_elements(old, new)
     count, length = positions.size, old.numel()
     if count == 0:
         return None
     if count * (2 + info.width) >= length * info.width:
         return _encode_dense(params, chunk, count)
-    index = torch.from_numpy(positions).to(old.device)
-    old_values, new_values = old.index_select(0, index), new.index_select(0, index)
     return _sparse_record(params, chunk, length, positions, old_values, new_values, reference, by_classes)
 
 
@@ -584,7 +584,7 @@ def _strided_tasks(
     """
     info = dtype_info(old_t.dtype)
     old, new = flat_bits(old_t), flat_bits(new_t)
-    local = _changed_positions(old, new)
+    local, old_values, new_values = _changed_elements(old, new)
     if local.size == 0:
         return []
     where = piece.global_positions(local)
@@ -595,21 +595,12 @@ def _strided_tasks(
     for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), local.size], strict=True):
         start, end = int(grid[chunk_of[lo]]), int(grid[chunk_of[lo] + 1])
         length = end - start
-        index = torch.from_numpy(local[lo:hi]).to(old.device)
-        # The record's identity (name, dtype, global shape, start); its values are gathered below.
+        # The record's identity (name, dtype, global shape, start); its changed elements are given.
         chunk = _Chunk(piece.name, info, piece.shape, start, old[:0], new[:0])
         positions = where[lo:hi] - start
-        task = partial(
-            _sparse_record,
-            params,
-            chunk,
-            length,
-            positions,
-            old.index_select(0, index),
-            new.index_select(0, index),
-            None,
+        tasks.append(
+            partial(_sparse_record, params, chunk, length, positions, old_values[lo:hi], new_values[lo:hi], None)
         )
-        tasks.append(task)
     return tasks
 
 
