@@ -34,7 +34,10 @@ from pulsesync.codec import (
     read_header,
 )
 from pulsesync.codec.baseline import pulse_encode, pulse_wire
+from pulsesync.codec.encoder import _Changes
 from pulsesync.codec.format import RECORD_FIXED_V2, PositionCoding, parse_header
+from pulsesync.codec.history import ChunkHistory
+from pulsesync.dtypes import DTYPES
 from pulsesync.errors import CorruptPatchError, MissingReferenceError, PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.publisher import AsyncPublisher
@@ -42,7 +45,7 @@ from pulsesync.retention import RetentionPolicy, RetentionWorker
 from pulsesync.sharding import Piece
 from pulsesync.store import Store
 from pulsesync.synthetic import real_like_trainer
-from tests.support.helpers import assert_states_equal, publisher_config
+from tests.support.helpers import assert_states_equal, mutate, publisher_config, random_bits
 from tests.support.subscribing import subscriber
 
 State = dict[str, torch.Tensor]
@@ -590,3 +593,108 @@ async def test_a_format_1_store_is_read_by_the_format_2_subscriber(store: Store,
     assert (await sub.sync(6)).path == "slow"
     assert (await sub.sync(7)).path == "fast"
     assert_states_equal(sub.state, REAL_LIKE[7])
+
+
+@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    count=st.integers(1, 3000),
+    recurring=st.sampled_from([0.0, 0.5, 1.0]),
+    referenced=st.booleans(),
+)
+def test_a_records_streams_are_the_same_from_the_kernel_and_from_numpy(
+    seed: int, dtype: torch.dtype, count: int, recurring: float, referenced: bool
+) -> None:
+    """fused.sparse_streams (one call a record) and the numpy functions it stands for: every stream the encoder
+    codes, and the new values' entropy estimate, equal; matched against a reference that shares `recurring`
+    of its positions, with PREDICTED_CODES' offsets for bf16."""
+    rng = np.random.default_rng(seed)
+    info = next(d for d in DTYPES if d.torch_dtype == dtype)
+    positions = np.sort(rng.choice(10 * count, count, replace=False)).astype(np.int64)
+    old = random_bits(rng, info, (count,)).view(torch.int16)
+    new = mutate(rng, old.view(dtype), 1.0).view(torch.int16)
+    new[new == old] += 1  # every element changed, as in a record
+    reference = None
+    if referenced:
+        kept = positions[rng.random(count) < recurring]
+        ref_positions = np.union1d(kept, rng.choice(10 * count, count // 2 + 1)).astype(np.int64)
+        ref_deltas = rng.integers(-40, 40, ref_positions.size).astype(np.int16)
+        reference = ChunkHistory(ref_positions, ref_deltas)
+    found = []
+    for enabled in (True, False):
+        fused.enabled = enabled
+        try:
+            changes = _Changes(CodecParams(), info, positions, old, new, reference)
+            streams = [
+                changes.gap_codes,
+                changes.deltas,
+                changes.packed_deltas,
+                changes.classes,
+                changes.order,
+                changes.counts,
+                changes.value_codes,
+                changes.new_entropy,
+            ]
+            if reference is not None:
+                matched = changes.matched
+                streams += [matched.bitmap, matched.fresh, matched.fresh_codes, matched.residuals, matched.codes]
+            found.append(streams)
+        finally:
+            fused.enabled = True
+    kernel, numpy_made = found
+    assert len(kernel) == len(numpy_made)
+    for a, b in zip(kernel, numpy_made, strict=True):
+        for x, y in zip(a, b, strict=True) if isinstance(a, tuple) else [(a, b)]:
+            assert type(x) is type(y)
+            assert np.array_equal(x, y) and (not isinstance(x, np.ndarray) or x.dtype == y.dtype)
+
+
+@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    format_version=st.sampled_from([2, 3]),
+    prune=st.booleans(),
+)
+def test_the_encoder_writes_the_same_bytes_with_its_streams_kernel_and_with_numpy(
+    seed: int, dtype: torch.dtype, format_version: int, prune: bool
+) -> None:
+    """The whole encoder on both paths: the same patches of a real-like fine-tune, the first after an anchor and
+    history-coded ones after it, whatever the dtype and format (a prune: RAW values weighed)."""
+    states = [{n: t.to(dtype) for n, t in state.items()} for state in _real_like_states(4, hidden=32, seed=seed % 1000)]
+    if prune:
+        name = sorted(states[-1])[1]
+        states[-1][name].view(-1)[: states[-1][name].numel() // 3] = 0
+    params = CodecParams(chunk_elements=1024, format_version=format_version)
+    written = []
+    for enabled in (True, False):
+        fused.enabled = enabled
+        try:
+            patches, reference = [], None
+            for base, new in itertools.pairwise(states):
+                encoded = encode(base, new, params, reference=reference)
+                patches.append((encoded.data, encoded.codings))
+                reference = encoded.history
+        finally:
+            fused.enabled = True
+        written.append(patches)
+    assert written[0] == written[1]
+    assert format_version == 2 or any(k.startswith("HISTORY/") for _, codings in written[0] for k in codings)
+
+
+@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+def test_a_dense_chunk_gives_its_scratch_back_and_the_next_finds_its_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """changed_elements' per-thread scratch: dropped after a call that filled more than SCRATCH_KEPT entries (its
+    pages freed), made again for the next call, which finds exactly its own changes."""
+    monkeypatch.setattr(bits, "SCRATCH_KEPT", 100)
+    old = np.arange(4096, dtype=np.int16)
+    for changed in (np.arange(0, 4096, 3), np.array([5, 77, 4095])):  # 1,366 changes, then 3
+        new = old.copy()
+        new[changed] += 1
+        positions, old_found, new_found = bits.changed_elements(old, new)
+        assert positions.tolist() == changed.tolist()
+        assert np.array_equal(old_found, old[changed]) and np.array_equal(new_found, new[changed])
+        assert (np.dtype(np.int16) in bits._scratch.by_dtype) == (changed.size <= 100)

@@ -6,6 +6,9 @@ modulo 2**bits, so every transform is a bijection and decoding is bit-exact by c
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -15,6 +18,7 @@ from pulsesync.codec.format import (
     CLASS_MARKED,
     CLASS_NONE,
     CLASSES,
+    ENTROPY_SAMPLE,
     ESCAPE,
     GAP_DIRECT,
     MAX_GAP_CODE,
@@ -144,7 +148,7 @@ def plane_list(values: np.ndarray) -> list[bytes]:
     return [planes[:, j].tobytes() for j in range(width)]
 
 
-def entropy_bytes(planes: list[bytes], sample: int = 4096) -> float:
+def entropy_bytes(planes: list[bytes], sample: int = ENTROPY_SAMPLE) -> float:
     """Order-0 entropy of each plane's bytes, summed, in bytes: about what zstd's Huffman stage makes of them.
 
     Estimated from an even sample of up to `sample` bytes per plane (a sample sees fewer
@@ -156,11 +160,16 @@ def entropy_bytes(planes: list[bytes], sample: int = 4096) -> float:
     # One histogram of every plane's sample, plane j's bytes counted at 256 * j + byte.
     picked = [np.frombuffer(p, np.uint8)[:: -(-len(p) // sample)].astype(np.intp) for p in planes if p]
     counts = np.bincount(np.concatenate([p + 256 * j for j, p in enumerate(picked)]), minlength=256 * len(picked))
-    counts = counts.reshape(len(picked), 256).astype(np.float64)
-    seen = np.array([p.size for p in picked], np.float64)
+    return sampled_entropy_bytes(counts.reshape(len(picked), 256), [p.size for p in picked], sizes)
+
+
+def sampled_entropy_bytes(counts: np.ndarray, seen: list[int], sizes: list[int]) -> float:
+    """entropy_bytes from each plane's histogram (a row of 256 counts) of `seen` of its `sizes` bytes."""
+    frequencies = counts.astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(counts > 0, counts * np.log2(counts), 0.0).sum(axis=1)
-    bits_each = np.log2(seen) - terms / seen
+        terms = np.where(frequencies > 0, frequencies * np.log2(frequencies), 0.0).sum(axis=1)
+    sampled = np.array(seen, np.float64)
+    bits_each = np.log2(sampled) - terms / sampled
     return float((bits_each * np.array(sizes)).sum()) / 8
 
 
@@ -262,6 +271,11 @@ def unpack_small_deltas(packed: np.ndarray, count: int, escapes: np.ndarray, off
     return deltas
 
 
+SCRATCH_ELEMENTS = 1 << 22  # changed_elements' scratch holds at least a chunk of this many elements, a thread
+SCRATCH_KEPT = 1 << 18  # and is kept while no call has filled more than this many of its entries (~3 MB of bf16)
+_scratch = threading.local()
+
+
 def changed_elements(
     old: np.ndarray, new: np.ndarray, step: int = 1 << 20
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -274,25 +288,98 @@ def changed_elements(
     words = old.size * old.itemsize // 8
     kernel = fused.changed_words.get(old.itemsize) if fused.enabled else None
     if kernel is not None and words and old.ctypes.data % 8 == new.ctypes.data % 8 == 0:
-        lanes, unsigned = 8 // old.itemsize, f"u{old.itemsize}"
-        # Pages are committed only where written: some 1% of each in an RL patch.
-        out, old_out, new_out = (
-            np.empty(old.size, np.int64),
-            np.empty(old.size, old.dtype),
-            np.empty(old.size, old.dtype),
+        body = words * (8 // old.itemsize)
+        out, old_out, new_out = _scratch_for(body, old.dtype)
+        unsigned = f"u{old.itemsize}"
+        found = kernel(
+            old[:body].view(np.uint64), new[:body].view(np.uint64), out, old_out.view(unsigned), new_out.view(unsigned)
         )
-        body = slice(0, words * lanes)
-        n = kernel(
-            old[body].view(np.uint64), new[body].view(np.uint64), out, old_out.view(unsigned), new_out.view(unsigned)
-        )
-        tail = np.flatnonzero(old[body.stop :] != new[body.stop :]) + body.stop
+        positions, old_found, new_found = found[0], found[1].view(old.dtype), found[2].view(old.dtype)
+        if positions.size > SCRATCH_KEPT:  # a dense chunk: its pages of scratch are given back
+            del _scratch.by_dtype[old.dtype]
+        tail = np.flatnonzero(old[body:] != new[body:]) + body
         if not tail.size:
-            return out[:n].copy(), old_out[:n].copy(), new_out[:n].copy()
-        positions = np.concatenate([out[:n], tail])
-        return positions, np.concatenate([old_out[:n], old[tail]]), np.concatenate([new_out[:n], new[tail]])
-    found = [np.flatnonzero(old[s : s + step] != new[s : s + step]) + s for s in range(0, old.size, step)]
-    positions = np.concatenate(found) if found else np.empty(0, np.int64)
+            return positions, old_found, new_found
+        return (
+            np.concatenate([positions, tail]),
+            np.concatenate([old_found, old[tail]]),
+            np.concatenate([new_found, new[tail]]),
+        )
+    found_at = [np.flatnonzero(old[s : s + step] != new[s : s + step]) + s for s in range(0, old.size, step)]
+    positions = np.concatenate(found_at) if found_at else np.empty(0, np.int64)
     return positions, old[positions], new[positions]
+
+
+def _scratch_for(size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's scratch for changed_elements: room for `size` positions and elements of `dtype`.
+
+    Reused: fresh arrays each call faulted their pages in (and unmapped them) again, ~0.35 ms of
+    a 4M-element chunk's ~0.9 (pages are committed only where written, so they stay few).
+    """
+    if not hasattr(_scratch, "by_dtype"):
+        _scratch.by_dtype = {}
+    held: tuple[np.ndarray, np.ndarray, np.ndarray] | None = _scratch.by_dtype.get(dtype)
+    if held is None or held[0].size < size:
+        room = max(size, SCRATCH_ELEMENTS)
+        held = _scratch.by_dtype[dtype] = (np.empty(room, np.int64), np.empty(room, dtype), np.empty(room, dtype))
+    return held
+
+
+@dataclass(frozen=True)
+class MatchedStreams:
+    """A sparse record's changes matched against its reference chunk's: what a HISTORY record codes."""
+
+    bitmap: bytes  # which reference positions change again, a bit each (little-endian bit order)
+    fresh: np.ndarray  # the positions that are not the reference's
+    fresh_codes: tuple[np.ndarray, bytes]  # their GAP_CODES (codes, extra bits)
+    residuals: np.ndarray  # each delta less its reference delta, or its prediction (int16, wrapping)
+    codes: tuple[np.ndarray, bytes] | None  # the residuals' EXP_CODES in class order (2-byte floats, format 3)
+
+
+@dataclass(frozen=True)
+class SparseStreams:
+    """What the encoder codes of a sparse record of 2-byte floats (format 3), made in one compiled call."""
+
+    gap_codes: np.ndarray  # GAP_CODES of the positions
+    gap_extra: bytes
+    deltas: np.ndarray  # ordered deltas (encode_values' DELTA), int16
+    packed: np.ndarray  # pack_small(zigzag(deltas), 1): 2-bit codes
+    escaped: np.ndarray  # and the escaped values
+    classes: np.ndarray  # magnitude_class of the old values
+    order: np.ndarray  # their stable order
+    counts: np.ndarray  # values per class (CLASSES)
+    symbols: np.ndarray  # EXP_CODES of the deltas in that order
+    value_extra: bytes
+    new_entropy: float  # entropy_bytes of the new values' byte planes
+    matched: MatchedStreams | None  # against the reference chunk, where there is one
+
+
+def sparse_streams(
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    reference: tuple[np.ndarray, np.ndarray] | None,
+    predicted: bool,
+) -> SparseStreams | None:
+    """A sparse record's streams (old and new: the 2-byte floats' bits at `positions`; reference: the reference
+    chunk's positions and deltas; predicted: residuals against PREDICTED_CODES' offsets) from numba's kernel;
+    None without numba (the encoder then makes each with the functions here, the same bytes)."""
+    if not (fused.enabled and fused.sparse_streams is not None):
+        return None
+    ref_positions, ref_deltas = reference if reference is not None else (positions[:0], old[:0])
+    streams, (symbols, extra), m = fused.sparse_streams(
+        positions, old, new, ref_positions, ref_deltas, reference is not None, predicted
+    )
+    codes, gap_extra, deltas, packed, escaped, classes, order, counts, sampled = streams
+    seen = len(range(0, new.size, -(-new.size // ENTROPY_SAMPLE)))  # the kernel's sample of each plane
+    new_entropy = sampled_entropy_bytes(sampled, [seen] * 2, [new.size] * 2)
+    matched = None
+    if reference is not None:
+        matched = MatchedStreams(m[0].tobytes(), m[1], (m[2], m[3].tobytes()), m[4], (m[5], m[6].tobytes()))
+    value_codes = (symbols, extra.tobytes(), new_entropy)
+    return SparseStreams(
+        codes, gap_extra.tobytes(), deltas, packed, escaped, classes, order, counts, *value_codes, matched
+    )
 
 
 def _gaps(positions: np.ndarray) -> np.ndarray:

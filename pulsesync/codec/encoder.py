@@ -108,10 +108,39 @@ class _Section:
     fields: dict[str, Any]
     parts: list[bytes]
 
-    @cached_property
+    measured: int | None = None  # its size, once measured (_measure)
+
+    @property
     def size(self) -> int:
-        """Bytes compressed alone (what it adds to the record: parts compress in blocks of their own)."""
-        return len(_compress(self.params, self.parts)[0])
+        """About the bytes it adds to a record, compressed (_measure)."""
+        if self.measured is None:
+            _measure(self.params, [self])
+        assert self.measured is not None
+        return self.measured
+
+
+FRAME_TRAILER = 4  # a zstd frame's checksum
+
+
+def _measure(params: CodecParams, sections: list[_Section]) -> None:
+    """Measure the sections not yet measured: every part compressed in one call, each as a frame of its own.
+
+    A section's size is its parts' frames less their headers and checksums (about the blocks
+    each part takes in a record's frame, where parts end blocks of their own), plus one frame's.
+    One call a record instead of a frame a section, each of whose compress and flush calls let
+    the GIL go: on two threads those hand-overs made encoding slower than on one (docs/benchmarks.md).
+    """
+    todo = [section for section in sections if section.measured is None]
+    parts: list[bytes | bytearray | memoryview] = [part for section in todo for part in section.parts if part]
+    frames = iter(_compressor(params.zstd_level).multi_compress_to_buffer(parts) if parts else [])
+    for section in todo:
+        size = 0
+        for part in section.parts:
+            if part:
+                frame = next(frames).tobytes()
+                header = zstandard.frame_header_size(frame)
+                size += len(frame) - header - FRAME_TRAILER + (0 if size else header + FRAME_TRAILER)
+        section.measured = size
 
 
 def _section(params: CodecParams, role: str, parts: list[bytes], **fields: Any) -> _Section:
@@ -119,6 +148,7 @@ def _section(params: CodecParams, role: str, parts: list[bytes], **fields: Any) 
 
 
 def _smallest(sections: list[_Section]) -> _Section:
+    _measure(sections[0].params, sections)
     return min(sections, key=lambda section: section.size)
 
 
@@ -228,6 +258,114 @@ def _class_masks(params: CodecParams, chunk: _Chunk, positions: np.ndarray, clas
     return _section(params, "positions", masks, escapes=len(bitmap), positions=PositionCoding.CLASS_MASKS)
 
 
+class _Changes:
+    """What a sparse record codes of a chunk's changed elements, each part computed once, when first used.
+
+    A record of 2-byte floats under format 3 gets them all from one compiled call where numba is
+    installed (bits.sparse_streams: the same bytes as the calls below, in one hand-over of the GIL).
+    """
+
+    def __init__(
+        self,
+        params: CodecParams,
+        info: DTypeInfo,
+        positions: np.ndarray,
+        old_values: torch.Tensor,
+        new_values: torch.Tensor,
+        reference: ChunkHistory | None,
+    ) -> None:
+        self.info, self.positions, self.old_values, self.new_values = info, positions, old_values, new_values
+        self.old = bits.host(old_values)
+        self.reference = reference if reference is not None and reference.deltas.dtype == self.old.dtype else None
+        # bf16: each HISTORY residual against the bf16 nearest 2 * old - prev, which follows a move across
+        # binades and zero that ordered deltas cannot (13% smaller values on the real LLM).
+        self.residual_coding = ValueCoding.PREDICTED_CODES if info.name == "BF16" else ValueCoding.EXP_CODES
+        self.residual_coding = self.residual_coding if params.format_version >= 3 else ValueCoding.EXP_PLANES
+        self.coded = info.is_float and info.width == 2 and params.format_version >= 3  # EXP_CODES, PREDICTED_CODES
+        self.streams: bits.SparseStreams | None = None
+        if self.coded:
+            ref = (self.reference.positions, self.reference.deltas) if self.reference is not None else None
+            predicted = self.residual_coding == ValueCoding.PREDICTED_CODES
+            self.streams = bits.sparse_streams(positions, self.old, bits.host(new_values), ref, predicted)
+
+    @cached_property
+    def gap_codes(self) -> tuple[np.ndarray, bytes]:
+        """GAP_CODES of the positions: (codes, extra bits)."""
+        return (
+            (self.streams.gap_codes, self.streams.gap_extra) if self.streams else bits.encode_gap_codes(self.positions)
+        )
+
+    @cached_property
+    def deltas(self) -> np.ndarray:
+        """The ordered deltas (encode_values' DELTA), on the host."""
+        if self.streams:
+            return self.streams.deltas
+        return bits.host(bits.encode_values(self.old_values, self.new_values, self.info, ValueCoding.DELTA))
+
+    @cached_property
+    def packed_deltas(self) -> tuple[np.ndarray, np.ndarray]:
+        """DELTA's 2-bit codes of the zigzagged deltas and the escaped values (bits.pack_small, offset 1)."""
+        if self.streams:
+            return self.streams.packed, self.streams.escaped
+        return bits.pack_small(bits.zigzag(self.deltas), 1)
+
+    @cached_property
+    def classes(self) -> np.ndarray | None:
+        """The old values' magnitude classes (floats of 2 bytes or more), else None."""
+        if not (self.info.is_float and self.info.width >= 2):
+            return None
+        return self.streams.classes if self.streams else bits.magnitude_class(self.old)
+
+    @cached_property
+    def order(self) -> np.ndarray | None:
+        """The stable order of the classes (bits.magnitude_order), or None."""
+        if self.streams:
+            return self.streams.order
+        return np.argsort(self.classes, kind="stable") if self.classes is not None else None
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """Values per magnitude class (CLASSES of them)."""
+        assert self.classes is not None
+        return self.streams.counts if self.streams else np.bincount(self.classes, minlength=CLASSES)
+
+    @cached_property
+    def value_codes(self) -> tuple[np.ndarray, bytes]:
+        """EXP_CODES of the deltas in class order: (symbols, extra bits)."""
+        assert self.order is not None
+        if self.streams:
+            return self.streams.symbols, self.streams.value_extra
+        return bits.encode_value_codes(self.deltas, self.old, self.order)
+
+    @cached_property
+    def new_entropy(self) -> float:
+        """bits.entropy_bytes of the new values' byte planes."""
+        return (
+            self.streams.new_entropy
+            if self.streams
+            else bits.entropy_bytes(bits.plane_list(bits.host(self.new_values)))
+        )
+
+    @cached_property
+    def matched(self) -> bits.MatchedStreams:
+        """The positions and deltas matched against the reference chunk (bits.MatchedStreams)."""
+        reference = self.reference
+        assert reference is not None
+        if self.streams:
+            assert self.streams.matched is not None
+            return self.streams.matched
+        again, ref_deltas, fresh = bits.match_reference(self.positions, reference.positions, reference.deltas)
+        if self.residual_coding == ValueCoding.PREDICTED_CODES:
+            ref_deltas = bits.predicted_offsets(self.old, ref_deltas)
+        residuals = bits.wrapping_sub(self.deltas, ref_deltas)
+        bitmap = np.packbits(again, bitorder="little").tobytes()
+        codes: tuple[np.ndarray, bytes] | None = None
+        if self.coded:
+            assert self.order is not None
+            codes = bits.encode_value_codes(residuals, self.old, self.order)
+        return bits.MatchedStreams(bitmap, fresh, bits.encode_gap_codes(fresh), residuals, codes)
+
+
 def _sparse_record(
     params: CodecParams,
     chunk: _Chunk,
@@ -246,34 +384,29 @@ def _sparse_record(
     info = chunk.info
     fields = _chunk_fields(chunk, RecordKind.SPARSE, length, positions.size)
     change = _digest_change(params, chunk, positions, old_values, new_values)
-    position = _position_coding(params, positions)
     if not params.adaptive:
         coding = params.coding
         coded = bits.host(bits.encode_values(old_values, new_values, info, coding))
+        position = _position_coding(params, positions)
         return _record(params, [position, _value_section(params, coded, coding, offset=1)], None, change, **fields)
-    deltas = bits.host(bits.encode_values(old_values, new_values, info, ValueCoding.DELTA))
-    history = ((chunk.name, chunk.start, length), ChunkHistory(positions, deltas))
-    old_host = bits.host(old_values)
-    classes = bits.magnitude_class(old_host) if info.is_float and info.width >= 2 else None
-    order = np.argsort(classes, kind="stable") if classes is not None else None  # (bits.magnitude_order)
+    changes = _Changes(params, info, positions, old_values, new_values, reference)
+    position = _position_coding(params, positions, changes.gap_codes)
+    history = ((chunk.name, chunk.start, length), ChunkHistory(positions, changes.deltas))
+    values = [_delta_section(params, *changes.packed_deltas), _sorted_values(params, changes)]
+    history_coded = _history_coding(params, changes) if changes.reference is not None else []
+    _measure(params, [position, *values, *history_coded])  # every candidate in one call
+    classes = changes.classes
     if by_classes and classes is not None and chunk.old.numel() == length:
         masks = _class_masks(params, chunk, positions, classes)
         position = position if masks is None else _smallest([position, masks])
-    value = _smallest(
-        [
-            _value_section(params, deltas, ValueCoding.DELTA, offset=1),
-            _sorted_values(params, deltas, old_host, classes, order),
-        ]
-    )
-    raw = bits.plane_list(bits.host(new_values))
-    if bits.entropy_bytes(raw) < RAW_TRY * value.size:  # new values simpler than their moves (a reset, a prune)
+    value = _smallest(values)
+    if changes.new_entropy < RAW_TRY * value.size:  # new values simpler than their moves (a reset, a prune)
+        raw = bits.plane_list(bits.host(new_values))
         value = _smallest([value, _section(params, "values", raw, coding=ValueCoding.RAW)])
     sections = [position, value]
-    if reference is not None and reference.deltas.dtype == deltas.dtype:
-        history_coded = _history_coding(params, info, positions, deltas, reference, old_host, classes, order)
-        if sum(s.size for s in history_coded) < position.size + value.size:
-            sections = history_coded
-            fields |= {"kind": RecordKind.HISTORY, "ref_count": reference.positions.size}
+    if changes.reference is not None and sum(s.size for s in history_coded) < position.size + value.size:
+        sections = history_coded
+        fields |= {"kind": RecordKind.HISTORY, "ref_count": changes.reference.positions.size}
     return _record(params, sections, history, change, **fields)
 
 
@@ -294,33 +427,30 @@ def _digest_change(
 CODES_BLOCK = 4096  # EXP_CODES: a magnitude class of this many values gets zstd blocks (Huffman tables) of its own
 
 
-def _sorted_values(
-    params: CodecParams,
-    values: np.ndarray,
-    old: np.ndarray,
-    classes: np.ndarray | None,
-    order: np.ndarray | None,
-    codes: ValueCoding = ValueCoding.EXP_CODES,
-) -> _Section:
-    """Signed values (ordered deltas, or HISTORY residuals) by the old values' magnitude class where `order` is given.
+def _sorted_values(params: CodecParams, changes: _Changes, residuals: bool = False) -> _Section:
+    """The deltas (or, `residuals`, the HISTORY residuals) by the old values' magnitude class where there are classes.
 
-    2-byte floats (format 3): `codes` (EXP_CODES, or PREDICTED_CODES for residuals against a
-    prediction), each class of CODES_BLOCK values or more in zstd blocks of its own (the classes'
-    moves differ by orders of magnitude: a Huffman table per class measured 3% smaller values on
-    a real LLM). EXP_PLANES was smaller on no record of the real LLM: not worth compressing too.
-    Wider floats and format 2: EXP_PLANES; other dtypes: PLANES.
+    2-byte floats (format 3): EXP_CODES, or PREDICTED_CODES for residuals against a prediction,
+    each class of CODES_BLOCK values or more in zstd blocks of its own (the classes' moves differ
+    by orders of magnitude: a Huffman table per class measured 3% smaller values on a real LLM).
+    EXP_PLANES was smaller on no record of the real LLM: not worth compressing too. Wider floats
+    and format 2: EXP_PLANES; other dtypes: PLANES.
     """
-    if classes is None or order is None or values.dtype.itemsize != 2 or params.format_version < 3:
-        zigzags = bits.zigzag(values)
+    order = changes.order
+    if not changes.coded or order is None:
+        zigzags = bits.zigzag(changes.matched.residuals if residuals else changes.deltas)
         planes = bits.plane_list(zigzags if order is None else zigzags[order])
         return _section(params, "values", planes, **_planes(order))
-    symbols, extra = bits.encode_value_codes(values, old, order)
-    counts = np.bincount(classes, minlength=CLASSES)
+    codes = changes.matched.codes if residuals else changes.value_codes
+    assert codes is not None
+    symbols, extra = codes
+    counts = changes.counts
     ends = np.cumsum(counts)
     big = np.flatnonzero(counts >= CODES_BLOCK).tolist()
     cuts = sorted({0, symbols.size, *(int(ends[c] - counts[c]) for c in big), *(int(ends[c]) for c in big)})
     parts = [symbols[a:b].tobytes() for a, b in itertools.pairwise(cuts)] + [extra]
-    return _section(params, "values", parts, coding=codes, value_escapes=len(extra))
+    coding = changes.residual_coding if residuals else ValueCoding.EXP_CODES
+    return _section(params, "values", parts, coding=coding, value_escapes=len(extra))
 
 
 def _planes(order: np.ndarray | None) -> dict[str, Any]:
@@ -332,8 +462,11 @@ GAPS16_TRY = 1024  # GAPS16 is weighed against GAP_CODES only in records of this
 RAW_TRY = 1.25  # RAW values are compressed (weighed) only where their order-0 entropy is below this x the best's size
 
 
-def _position_coding(params: CodecParams, positions: np.ndarray) -> _Section:
-    """The positions as u16 gaps (format 1) or, format 2, gap codes, or the smaller of both in a small record.
+def _position_coding(
+    params: CodecParams, positions: np.ndarray, gap_codes: tuple[np.ndarray, bytes] | None = None
+) -> _Section:
+    """The positions as u16 gaps (format 1) or, format 2, gap codes (`gap_codes` where already made), or the
+    smaller of both in a small record.
 
     GAPS16 was smaller in no record of over 400 changes (synthetic, real-like and a real LLM's
     patches), and by 0.1% of their bytes at most: weighing it in larger ones cost ~8% of encode time.
@@ -345,36 +478,21 @@ def _position_coding(params: CodecParams, positions: np.ndarray) -> _Section:
         gaps16 = _section(params, "positions", planes, escapes=escapes.size, **coding)
         if params.format_version < 2:
             return gaps16
-    codes, extra = bits.encode_gap_codes(positions)
-    gap_codes = _section(
+    codes, extra = gap_codes or bits.encode_gap_codes(positions)
+    gap_codes_section = _section(
         params, "positions", [codes.tobytes(), extra], escapes=len(extra), positions=PositionCoding.GAP_CODES
     )
-    return gap_codes if positions.size > GAPS16_TRY else _smallest([gaps16, gap_codes])
+    return gap_codes_section if positions.size > GAPS16_TRY else _smallest([gaps16, gap_codes_section])
 
 
-def _history_coding(
-    params: CodecParams,
-    info: DTypeInfo,
-    positions: np.ndarray,
-    deltas: np.ndarray,
-    reference: ChunkHistory,
-    old: np.ndarray,
-    classes: np.ndarray | None,
-    order: np.ndarray | None,
-) -> list[_Section]:
+def _history_coding(params: CodecParams, changes: _Changes) -> list[_Section]:
     """The HISTORY record's sections: which reference positions changed again (a bitmap), the new
     ones' gaps, and each value as the difference to its reference delta (0 where new), or for
     bf16 to its prediction (PREDICTED_CODES)."""
-    again, ref_deltas, fresh = bits.match_reference(positions, reference.positions, reference.deltas)
-    # bf16: each residual against the bf16 nearest 2 * old - prev, which follows a move across
-    # binades and zero that ordered deltas cannot (13% smaller values on the real LLM).
-    codes = ValueCoding.PREDICTED_CODES if info.name == "BF16" else ValueCoding.EXP_CODES
-    codes = codes if params.format_version >= 3 else ValueCoding.EXP_PLANES
-    if codes == ValueCoding.PREDICTED_CODES:
-        ref_deltas = bits.predicted_offsets(old, ref_deltas)
-    residuals = bits.wrapping_sub(deltas, ref_deltas)
-    bitmap = _section(params, "positions", [np.packbits(again, bitorder="little").tobytes()], new_count=fresh.size)
-    return [bitmap, _position_coding(params, fresh), _sorted_values(params, residuals, old, classes, order, codes)]
+    matched = changes.matched
+    bitmap = _section(params, "positions", [matched.bitmap], new_count=matched.fresh.size)
+    fresh = _position_coding(params, matched.fresh, matched.fresh_codes)
+    return [bitmap, fresh, _sorted_values(params, changes, residuals=True)]
 
 
 def _encode_dense(params: CodecParams, chunk: _Chunk, count: int) -> _Record:
@@ -395,10 +513,15 @@ def _value_section(params: CodecParams, coded: np.ndarray, coding: ValueCoding, 
         return _section(params, "values", bits.plane_list(coded), coding=coding)
     if coding == ValueCoding.DELTA:
         coded = bits.zigzag(coded)
-    packed, escaped = bits.pack_small(coded, offset)
-    return _section(
-        params, "values", [packed.tobytes(), *bits.plane_list(escaped)], coding=coding, value_escapes=escaped.size
-    )
+    return _delta_section(params, *bits.pack_small(coded, offset), coding=coding)
+
+
+def _delta_section(
+    params: CodecParams, packed: np.ndarray, escaped: np.ndarray, coding: ValueCoding = ValueCoding.DELTA
+) -> _Section:
+    """Packed 2-bit value codes and the escaped values' planes as a section."""
+    parts = [packed.tobytes(), *bits.plane_list(escaped)]
+    return _section(params, "values", parts, coding=coding, value_escapes=escaped.size)
 
 
 def _encode_whole(params: CodecParams, kind: RecordKind, name: str, t: torch.Tensor) -> _Record:

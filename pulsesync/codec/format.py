@@ -101,6 +101,7 @@ CODES = (ValueCoding.EXP_CODES, ValueCoding.PREDICTED_CODES)  # values as symbol
 V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES, *CODES)
 BY_CLASS = (ValueCoding.EXP_PLANES, *CODES)  # values stored sorted by the old values' magnitude class
 CLASSES = 256  # magnitude classes: the 8 bits below the sign
+ENTROPY_SAMPLE = 4096  # the encoder estimates a byte plane's entropy from this many of its bytes
 CLASS_NONE, CLASS_ALL, CLASS_MARKED = 0, 1, 2  # a CLASS_MASKS table entry
 V2_KINDS = (RecordKind.HISTORY,)
 # Field values to members: a dict lookup per record, where the enum constructors cost ~1 us each.

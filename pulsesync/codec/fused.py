@@ -35,6 +35,7 @@ from pulsesync.codec.format import (
     CLASS_MARKED,
     CLASS_NONE,
     CLASSES,
+    ENTROPY_SAMPLE,
     ESCAPE,
     GAP_DIRECT,
     MAX_GAP_CODE,
@@ -233,14 +234,15 @@ def _encode_gap_codes(positions: Any, codes: Any, extra: Any) -> int:
     return _pack_bits(gaps, nbits, extra)
 
 
-def _changed_words_kernel(lanes: int) -> Callable[[Any, Any, Any, Any, Any], int]:
+def _changed_words_kernel(lanes: int) -> Callable[[Any, Any, Any, Any, Any], tuple[Any, Any, Any]]:
     """The kernel for elements `lanes` to a 64-bit word (compiled apart for each: its lane loop unrolls)."""
     width = np.uint64(64 // lanes)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 64 // lanes)
 
-    def changed_words(old: Any, new: Any, out: Any, old_out: Any, new_out: Any) -> int:
-        """Positions (in elements) where two arrays of words differ into out, the old and new elements
-        there into old_out and new_out (unsigned, of the element's width); how many.
+    def changed_words(old: Any, new: Any, out: Any, old_out: Any, new_out: Any) -> tuple[Any, Any, Any]:
+        """Positions (in elements) where two arrays of words differ, and the old and new elements there
+        (unsigned, of the element's width), found into out, old_out and new_out (room for every
+        element: a caller's scratch, its pages already in memory) and returned as copies.
 
         One pass at memory speed: a word is compared whole and split into lanes only where it
         differs (some 1% of them in an RL patch), its elements kept while they are in registers
@@ -258,7 +260,7 @@ def _changed_words_kernel(lanes: int) -> Callable[[Any, Any, Any, Any, Any], int
                         old_out[n] = (a >> shift) & mask
                         new_out[n] = (b >> shift) & mask
                         n += 1
-        return n
+        return out[:n].copy(), old_out[:n].copy(), new_out[:n].copy()
 
     return changed_words
 
@@ -358,6 +360,75 @@ def _encode_value_codes(values: Any, old: Any, order: Any, symbols: Any, extra: 
         nbits[i] = _extra_bits(magnitudes[i])
         symbols[i] = 2 * _length_code(magnitudes[i], nbits[i]) + sign
     return _pack_bits(magnitudes, nbits, extra)
+
+
+def _sparse_streams(
+    positions: Any, old: Any, new: Any, ref_positions: Any, ref_deltas: Any, history: bool, predicted: bool
+) -> Any:
+    """What the encoder codes of a sparse record of 2-byte floats (bits.sparse_streams), in one call.
+
+    GAP_CODES of the positions; the ordered deltas, as packed DELTA codes and escapes; the old
+    values' magnitude classes, their stable order and counts; the deltas' EXP_CODES; a histogram
+    of a sample of the new values' byte planes (bits.entropy_bytes' sample). With
+    `history`, the match against the reference chunk: its bitmap, the fresh positions' GAP_CODES
+    and the residuals' codes (against the reference deltas, or their `predicted` offsets). One
+    call instead of some thirty numpy and numba calls a record: each let the GIL go, and on two
+    threads each hand-over woke the other core (docs/benchmarks.md).
+    """
+    n = positions.size
+    gap_codes, gap_extra = np.empty(n, np.uint8), np.empty(4 * n + 1, np.uint8)
+    gap_used = _encode_gap_codes_k(positions, gap_codes, gap_extra)
+    deltas, packed, escaped = np.empty(n, np.int16), np.zeros((n + 3) // 4, np.uint8), np.empty(n, np.uint16)
+    classes, counts = np.empty(n, np.uint8), np.zeros(CLASSES, np.int64)
+    escapes = 0
+    for i in range(n):
+        o, w = np.int64(old[i]), np.int64(new[i])
+        d = ((w ^ ((w >> 15) & 0x7FFF)) - (o ^ ((o >> 15) & 0x7FFF)) + 32768) % 65536 - 32768  # int16, wrapping
+        deltas[i] = d
+        symbol = ((((d << 1) ^ (d >> 15)) & 0xFFFF) + 0xFFFF) & 0xFFFF  # zigzag - 1, as uint16 (bits.pack_small)
+        packed[i >> 2] |= np.uint8(min(symbol, SMALL_ESCAPE) << (2 * (i & 3)))
+        if symbol >= SMALL_ESCAPE:
+            escaped[escapes] = symbol
+            escapes += 1
+        c = (o >> 7) & 0xFF
+        classes[i] = c
+        counts[c] += 1
+    order, at = np.empty(n, np.int64), np.zeros(CLASSES, np.int64)
+    for c in range(1, CLASSES):
+        at[c] = at[c - 1] + counts[c - 1]
+    for i in range(n):  # a stable counting sort by class (np.argsort's kind="stable")
+        order[at[classes[i]]] = i
+        at[classes[i]] += 1
+    symbols, value_extra = np.empty(n, np.uint8), np.empty(2 * n + 1, np.uint8)
+    value_used = _encode_value_codes_k(deltas, old, order, symbols, value_extra)
+    sampled = np.zeros((2, 256), np.int64)  # each byte plane of the new values, every stride-th (bits.entropy_bytes)
+    for i in range(0, n, (n + ENTROPY_SAMPLE - 1) // ENTROPY_SAMPLE):
+        sampled[0, np.int64(new[i]) & 0xFF] += 1
+        sampled[1, (np.int64(new[i]) >> 8) & 0xFF] += 1
+    streams = (gap_codes, gap_extra[:gap_used], deltas, packed, escaped[:escapes], classes, order, counts, sampled)
+    streams_values = (symbols, value_extra[:value_used])
+    if not history:
+        nothing = np.empty(0, np.uint8)
+        return streams, streams_values, (nothing, np.empty(0, np.int64), nothing, nothing, deltas[:0], nothing, nothing)
+    again, aligned, fresh = np.zeros(ref_positions.size, np.bool_), np.empty(n, np.int16), np.empty(n, np.int64)
+    m = _match_reference_k(positions, ref_positions, ref_deltas, again, aligned, fresh)
+    bitmap = np.zeros((ref_positions.size + 7) // 8, np.uint8)
+    for j in range(ref_positions.size):
+        if again[j]:
+            bitmap[j >> 3] |= np.uint8(1 << (j & 7))
+    offsets = aligned
+    if predicted:
+        offsets = np.empty(n, np.int16)
+        _predicted_offsets_k(old, aligned, offsets)
+    residuals = np.empty(n, np.int16)
+    for i in range(n):
+        residuals[i] = (np.int64(deltas[i]) - np.int64(offsets[i]) + 32768) % 65536 - 32768
+    fresh_codes, fresh_extra = np.empty(m, np.uint8), np.empty(4 * m + 1, np.uint8)
+    fresh_used = _encode_gap_codes_k(fresh[:m], fresh_codes, fresh_extra)
+    residual_symbols, residual_extra = np.empty(n, np.uint8), np.empty(2 * n + 1, np.uint8)
+    residual_used = _encode_value_codes_k(residuals, old, order, residual_symbols, residual_extra)
+    fresh_coded = (fresh[:m], fresh_codes, fresh_extra[:fresh_used])
+    return streams, streams_values, (bitmap, *fresh_coded, residuals, residual_symbols, residual_extra[:residual_used])
 
 
 def _count_escape_codes(packed: Any, count: int) -> int:
@@ -998,7 +1069,7 @@ count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes
 decode_gap_codes: Callable[[Any, Any, int, Any], int] | None = _njit(_decode_gap_codes) if _njit else None
 encode_gap_codes: Callable[[Any, Any, Any], int] | None = _njit(_encode_gap_codes) if _njit else None
 # Per element width (1, 2, 4, 8 bytes): the lanes of a 64-bit word.
-changed_words: dict[int, Callable[[Any, Any, Any, Any, Any], int]] = (
+changed_words: dict[int, Callable[[Any, Any, Any, Any, Any], tuple[Any, Any, Any]]] = (
     {w: _njit(_changed_words_kernel(8 // w)) for w in (1, 2, 4, 8)} if _njit else {}
 )
 encode_value_codes: Callable[[Any, Any, Any, Any, Any], int] | None = _njit(_encode_value_codes) if _njit else None
@@ -1017,6 +1088,11 @@ _merge_history_k: Any = merge_history
 _class_positions_k: Any = class_positions
 _check_gap_codes_k: Any = _check_gap_codes
 _apply_delta_gap_codes_k: Any = _k(_apply_delta_gap_codes)
+_encode_gap_codes_k: Any = encode_gap_codes
+_encode_value_codes_k: Any = encode_value_codes
+_match_reference_k: Any = match_reference
+_predicted_offsets_k: Any = predicted_offsets
+sparse_streams: Callable[..., Any] | None = _k(_sparse_streams)
 _carray: Any = numba.carray if numba is not None else None  # type: ignore[attr-defined]
 if numba is not None:
     _padded_gap_codes = numba.njit(boundscheck=False)(_padded_gap_codes)
