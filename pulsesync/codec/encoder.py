@@ -134,13 +134,10 @@ def _measure(params: CodecParams, sections: list[_Section]) -> None:
     parts: list[bytes | bytearray | memoryview] = [part for section in todo for part in section.parts if part]
     frames = iter(_compressor(params.zstd_level).multi_compress_to_buffer(parts) if parts else [])
     for section in todo:
-        size = 0
-        for part in section.parts:
-            if part:
-                frame = next(frames).tobytes()
-                header = zstandard.frame_header_size(frame)
-                size += len(frame) - header - FRAME_TRAILER + (0 if size else header + FRAME_TRAILER)
-        section.measured = size
+        own = [next(frames).tobytes() for part in section.parts if part]
+        headers = [zstandard.frame_header_size(frame) for frame in own]
+        blocks = sum(len(frame) - header - FRAME_TRAILER for frame, header in zip(own, headers, strict=True))
+        section.measured = blocks + headers[0] + FRAME_TRAILER if own else 0
 
 
 def _section(params: CodecParams, role: str, parts: list[bytes], **fields: Any) -> _Section:
@@ -221,9 +218,9 @@ def _encode_chunk(
 ) -> _Record | None:
     """SPARSE, HISTORY or DENSE record for one chunk of flat bits, or None when it is unchanged.
 
-    Format 2 picks the smallest position coding and (adaptive) value coding, each part compressed
-    alone (parts compress in blocks of their own, so the sizes add up), and compresses the
-    winners once more as the record's frame.
+    Format 2 picks the smallest position coding and (adaptive) value coding, each candidate
+    measured compressed (_measure: parts compress in blocks of their own, so the sizes add up),
+    and compresses the winners as the record's frame.
     """
     old, new, info = chunk.old, chunk.new, chunk.info
     positions, old_values, new_values = _changed_elements(old, new)
@@ -279,8 +276,8 @@ class _Changes:
         self.reference = reference if reference is not None and reference.deltas.dtype == self.old.dtype else None
         # bf16: each HISTORY residual against the bf16 nearest 2 * old - prev, which follows a move across
         # binades and zero that ordered deltas cannot (13% smaller values on the real LLM).
-        self.residual_coding = ValueCoding.PREDICTED_CODES if info.name == "BF16" else ValueCoding.EXP_CODES
-        self.residual_coding = self.residual_coding if params.format_version >= 3 else ValueCoding.EXP_PLANES
+        residual = ValueCoding.PREDICTED_CODES if info.name == "BF16" else ValueCoding.EXP_CODES
+        self.residual_coding = residual if params.format_version >= 3 else ValueCoding.EXP_PLANES
         self.coded = info.is_float and info.width == 2 and params.format_version >= 3  # EXP_CODES, PREDICTED_CODES
         self.streams: bits.SparseStreams | None = None
         if self.coded:
