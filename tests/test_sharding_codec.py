@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pulsesync.codec import CodecParams, apply_parts, apply_patch, encode, encode_part
+from pulsesync.codec import CodecParams, EncodedPart, apply_parts, apply_patch, encode, encode_part
 from pulsesync.codec.parse import PatchDecoder
 from pulsesync.digest import state_digest
 from pulsesync.errors import ConfigError, CorruptPatchError, IntegrityError
@@ -188,19 +188,9 @@ def test_row_wise_parts_split_along_dim_1_compose_bit_for_bit(world: int) -> Non
     size = -(-cols // world)
     parts, per_rank = [], []
     for rank in range(world):
-        a, b = rank * size, min(cols, (rank + 1) * size)
-        piece = Piece("o_proj", a, rows * (b - a), (rows, cols), "BF16", rank, runs=rows, stride=cols)
+        columns = (rank * size, min(cols, (rank + 1) * size))
+        piece, part = _columns_part(base, new, "o_proj", columns, rank, params, digest.root)
         per_rank.append([piece])
-        old_local, new_local = base["o_proj"][:, a:b].contiguous(), new["o_proj"][:, a:b].contiguous()
-        part = encode_part(
-            {"o_proj": old_local},
-            {"o_proj": new_local},
-            {"o_proj": piece},
-            params,
-            part=rank,
-            base_root=digest.root,
-            dense_bytes_total=0,
-        )
         assert not any(k.startswith("DENSE/") for k in part.codings)  # other ranks' columns share every chunk
         parts.append(part.data)
     validate(per_rank)
@@ -226,22 +216,31 @@ def test_a_strided_pieces_short_tail_joins_the_chunk_before_it() -> None:
     new["w"].view(-1).view(torch.int16)[[5, 1500, 2060, 2147]] += 1  # in both chunks, and in the tail
     digest = state_digest(base)
     params = CodecParams(chunk_elements=1024)
-    parts = []
-    for rank, (a, b) in enumerate([(0, 25), (25, 50)]):
-        piece = Piece("w", a, rows * (b - a), (rows, cols), "BF16", rank, runs=rows, stride=cols)
-        old_local, new_local = base["w"][:, a:b].contiguous(), new["w"][:, a:b].contiguous()
-        part = encode_part(
-            {"w": old_local},
-            {"w": new_local},
-            {"w": piece},
-            params,
-            part=rank,
-            base_root=digest.root,
-            dense_bytes_total=0,
-        )
-        parts.append(part.data)
+    parts = [
+        _columns_part(base, new, "w", columns, rank, params, digest.root)[1].data
+        for rank, columns in enumerate([(0, 25), (25, 50)])
+    ]
     records = [h for part in parts for h, _ in PatchDecoder().records(part)]
     assert sorted((h.start, h.length) for h in records) == [(0, 1024), (1024, 1126), (1024, 1126)]
     held = clone_state(base)
     assert apply_parts(held, parts, base_digest=digest).root == state_digest(new).root
     assert_states_equal(held, new)
+
+
+def _columns_part(
+    base: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    name: str,
+    columns: tuple[int, int],
+    rank: int,
+    params: CodecParams,
+    base_root: str,
+) -> tuple[Piece, EncodedPart]:
+    """The part of rank `rank`, which owns columns [a, b) of every row of tensor `name` (a split of dim 1)."""
+    (rows, cols), (a, b) = base[name].shape, columns
+    piece = Piece(name, a, rows * (b - a), (rows, cols), "BF16", rank, runs=rows, stride=cols)
+    old_local, new_local = base[name][:, a:b].contiguous(), new[name][:, a:b].contiguous()
+    part = encode_part(
+        {name: old_local}, {name: new_local}, {name: piece}, params, part=rank, base_root=base_root, dense_bytes_total=0
+    )
+    return piece, part
