@@ -16,8 +16,10 @@ the tensor (gather, then scatter: a cache and TLB miss each). Here:
 - format 3: `class_positions` decodes CLASS_MASKS in one pass over a chunk's old values,
   `encode_value_codes` / the batch's `_value_code_planes` code and decode EXP_CODES, and
   `predicted_offsets` is PREDICTED_CODES' prediction (integer arithmetic, as bits' numpy version);
-- the encoder's: `changed_words` diffs two chunks 64 bits at a time, `match_reference` merges a
-  record's positions with its reference's, `encode_gap_codes` writes GAP_CODES.
+- the encoder's: `changed_words` diffs two chunks 64 bits at a time (keeping each change's old and
+  new element), `match_reference` merges a record's positions with its reference's,
+  `encode_gap_codes` writes GAP_CODES, and `sparse_streams` makes all of a sparse record's streams
+  in one call (one hand-over of the GIL a record, not some thirty).
 Every position is checked before it is written, so a kernel only ever indexes inside its chunk.
 Without numba the numpy path runs: the results (errors included) are bit-identical, which the
 tests check by running both.
