@@ -385,14 +385,23 @@ def sparse_streams(
         positions, old, new, ref_positions, ref_deltas, reference is not None, predicted
     )
     codes, gap_extra, deltas, packed, escaped, classes, order, counts, sampled = streams
-    seen = len(range(0, new.size, -(-new.size // ENTROPY_SAMPLE)))  # the kernel's sample of each plane
-    new_entropy = sampled_entropy_bytes(sampled, [seen] * 2, [new.size] * 2)
+    seen = int(sampled[0].sum())  # values in the kernel's sample (each counted once a plane)
     matched = None
     if reference is not None:
         matched = MatchedStreams(m[0].tobytes(), m[1], (m[2], m[3].tobytes()), m[4], (m[5], m[6].tobytes()))
-    value_codes = (symbols, extra.tobytes(), new_entropy)
     return SparseStreams(
-        codes, gap_extra.tobytes(), deltas, packed, escaped, classes, order, counts, *value_codes, matched
+        gap_codes=codes,
+        gap_extra=gap_extra.tobytes(),
+        deltas=deltas,
+        packed=packed,
+        escaped=escaped,
+        classes=classes,
+        order=order,
+        counts=counts,
+        symbols=symbols,
+        value_extra=extra.tobytes(),
+        new_entropy=sampled_entropy_bytes(sampled, [seen] * 2, [new.size] * 2),
+        matched=matched,
     )
 
 
