@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -698,3 +699,17 @@ def test_a_dense_chunk_gives_its_scratch_back_and_the_next_finds_its_changes(mon
         assert positions.tolist() == changed.tolist()
         assert np.array_equal(old_found, old[changed]) and np.array_equal(new_found, new[changed])
         assert (np.dtype(np.int16) in bits._scratch.by_dtype) == (changed.size <= 100)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_the_scratch_is_private_to_the_process_that_made_it() -> None:
+    """changed_elements' scratch (held between calls) is not written by a child forked after it was made
+    (a shared mapping was: two processes encoding at once would have found each other's changes)."""
+    scratch, _, _ = bits._scratch_for(16, np.dtype(np.int16))
+    scratch[:16] = 1
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        scratch[:16] = 2
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert scratch[:16].tolist() == [1] * 16

@@ -332,8 +332,9 @@ def _scratch_for(size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np
 
 
 def _small_pages(count: int, dtype: np.dtype | type[np.integer]) -> np.ndarray:
-    """An uninitialised array in anonymous memory of its own, in small pages (MADV_NOHUGEPAGE where Linux has it)."""
-    memory = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize))
+    """An uninitialised array in private anonymous memory of its own, in small pages (MADV_NOHUGEPAGE where Linux
+    has it). Private: a shared mapping would be written by a forked child too, and never takes huge pages anyway."""
+    memory = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         memory.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(memory, dtype, count)
