@@ -23,8 +23,8 @@ Measured, per size:
   after_idle_s           median seconds of a fast-path step taken after IDLE_SECONDS of the subscriber
                          idle (steps published after those above), as a subscriber whose trainer
                          steps every few seconds syncs; `fast_after_idle_over_floor`: the worst
-                         size's over its floor (reported: on a VM sharing its cores, the second
-                         core comes back cold, docs/benchmarks.md)
+                         size's over its floor (reported, not a contract: ~1.5x the back-to-back
+                         step on the 2-vCPU VM of docs/benchmarks.md, its cause not confirmed)
   publisher_peak/model   peak RSS of the publisher process beyond the trainer's own state
   subscriber_peak/model  peak RSS of the subscriber process beyond its imports (cold start
                          included), and of the fast-path steps alone
