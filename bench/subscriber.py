@@ -11,6 +11,11 @@ over such a link. Measured in the same run:
   fast_path        Subscriber.sync() one step ahead: manifest, patch download (throttled), verify,
                    apply in place, state digest check; "excl. download" subtracts the seconds any
                    store read was in flight
+  one GET after another
+                   the same steps synced by a second subscriber without the read-ahead (its patch
+                   GET waits for the verified marker; protocol/speculation.py): the two take turns
+                   at each step. With --rtt-ms, every request first waits that long for its first
+                   byte, as from a store across a network: the read-ahead saves one such wait
   full_download    downloading the anchor's safetensors shards (a full checkpoint) through the
                    same token bucket: the baseline a subscriber without patches pays every step
 
@@ -23,12 +28,14 @@ against the trainer's. The JSON's top-level fields are the synthetic workload's 
     python bench/subscriber.py                          # 0.8 GiB of state
     python bench/subscriber.py --quick --json out.json  # 0.15 GiB, < 60 s: the automation contract
     python bench/subscriber.py --numpy                  # without the numba kernels
+    python bench/subscriber.py --quick --rtt-ms 20      # a store 20 ms away
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -85,24 +92,38 @@ class TokenBucket:
 
 
 class ThrottledStore(FileStore):
-    """A FileStore whose reads pass a token bucket, and which counts the seconds reads are in flight."""
+    """A FileStore whose requests wait `latency` seconds for their first byte and whose reads pass a token
+    bucket; `read_seconds` counts the time any read is in flight (overlapping reads once)."""
 
-    def __init__(self, root: Path, bucket: TokenBucket) -> None:
+    def __init__(self, root: Path, bucket: TokenBucket, latency: float = 0.0) -> None:
         super().__init__(root)
-        self.bucket = bucket
+        self.bucket, self.latency = bucket, latency
         self.read_seconds = 0.0
+        self._in_flight, self._busy_since = 0, 0.0
+
+    @contextlib.asynccontextmanager
+    async def _reading(self) -> AsyncIterator[None]:
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter()
+        self._in_flight += 1
+        try:
+            if self.bucket.enabled and self.latency:
+                await asyncio.sleep(self.latency)
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self.read_seconds += time.perf_counter() - self._busy_since
 
     async def get(self, key: str, max_size: int | None = None) -> bytes:
-        t0 = time.perf_counter()
-        data = await super().get(key, max_size)
-        await self.bucket.take(len(data))
-        self.read_seconds += time.perf_counter() - t0
+        async with self._reading():
+            data = await super().get(key, max_size)
+            await self.bucket.take(len(data))
         return data
 
     async def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
-        t0 = time.perf_counter()
-        infos = [info async for info in super().list(prefix, start_after)]
-        self.read_seconds += time.perf_counter() - t0
+        async with self._reading():
+            infos = [info async for info in super().list(prefix, start_after)]
         for info in infos:
             yield info
 
@@ -114,10 +135,9 @@ class ThrottledStore(FileStore):
         expected_sha256: str | None = None,
         expected_size: int | None = None,
     ) -> TransferResult:
-        t0 = time.perf_counter()
-        done = await super().download_file(key, path, progress, expected_sha256, expected_size)
-        await self.bucket.take(done.size)
-        self.read_seconds += time.perf_counter() - t0
+        async with self._reading():
+            done = await super().download_file(key, path, progress, expected_sha256, expected_size)
+            await self.bucket.take(done.size)
         return done
 
 
@@ -137,34 +157,48 @@ def publish(root: Path, key: Ed25519PrivateKey, trainer: SyntheticTrainer, steps
     return states
 
 
-async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, torch.Tensor]], mbps: float) -> dict:
+async def measure(
+    root: Path, key: Ed25519PrivateKey, states: list[dict[str, torch.Tensor]], mbps: float, rtt: float
+) -> dict:
     fused.warm_up()  # what Subscriber.start() loads in the background: compiled before anything is timed
     mixsum.warm_up()
-    bucket = TokenBucket(mbps * 1e6 / 8, burst=64 << 10)
-    store = ThrottledStore(root, bucket)
-    sub = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([key.public_key()]))
-    bucket.enabled = False
-    await sub.sync(0)  # cold start (slow path), not measured: no need to wait for its download
-    bucket.enabled = True
-    fast, fast_excl, patch_bytes = [], [], []
+    store = ThrottledStore(root, TokenBucket(mbps * 1e6 / 8, burst=64 << 10), latency=rtt)
+    trusted = signing.trusted_keys([key.public_key()])
+    # The read-ahead's baseline in the same run: a second subscriber whose patch GET waits for its
+    # verified marker. The two take turns at each step, first one, then the other.
+    sub, one_by_one = (Subscriber(SubscriberConfig(), store=store, trusted=trusted) for _ in range(2))
+    one_by_one.chain.speculate = False
+    store.bucket.enabled = False
+    for s in (sub, one_by_one):
+        await s.sync(0)  # cold start (slow path), not measured: no need to wait for its download
+    store.bucket.enabled = True
+    fast, fast_excl, patch_bytes, one_after_another = [], [], [], []
     for step in range(1, len(states)):
-        read_before = store.read_seconds
-        result = await sub.sync(step)
-        assert result.path == "fast", result
-        assert sub.state is not None
-        for name, t in states[step].items():
-            assert torch.equal(sub.state[name].view(torch.int16), t.view(torch.int16)), (step, name)
-        fast.append(result.seconds)
-        fast_excl.append(result.seconds - (store.read_seconds - read_before))
-        patch_bytes.append(result.bytes_downloaded)
+        for s in (sub, one_by_one) if step % 2 else (one_by_one, sub):
+            read_before = store.read_seconds
+            result = await s.sync(step)
+            assert result.path == "fast", result
+            assert s.state is not None
+            for name, t in states[step].items():
+                assert torch.equal(s.state[name].view(torch.int16), t.view(torch.int16)), (step, name)
+            if s is one_by_one:
+                one_after_another.append(result.seconds)
+                continue
+            fast.append(result.seconds)
+            fast_excl.append(result.seconds - (store.read_seconds - read_before))
+            patch_bytes.append(result.bytes_downloaded)
+    store.bucket.enabled = False
     anchor = await sub.chain.manifest(0, "anchor")
     assert isinstance(anchor, AnchorManifest)
+    store.bucket.enabled = True
     shards = [ref for ref in anchor.objects if ref.key.endswith(".safetensors")]
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-full-") as spool:
         t0 = time.perf_counter()
         for ref in shards:
             await store.download_file(ref.key, Path(spool) / "shard", expected_sha256=ref.sha256)
         full_s = time.perf_counter() - t0
+    for s in (sub, one_by_one):
+        await s.close()
     gib = dense_bytes(states[0]) / 2**30
     fast_s, fast_excl_s = statistics.median(fast), statistics.median(fast_excl)
     return {
@@ -173,14 +207,21 @@ async def measure(root: Path, key: Ed25519PrivateKey, states: list[dict[str, tor
         "mbps": mbps,
         "patch_bytes": statistics.median(patch_bytes),
         "full_bytes": sum(ref.size for ref in shards),
+        "rtt_ms": rtt * 1000,
         "fast_path_s": fast_s,
+        "fast_path_one_get_after_another_s": statistics.median(one_after_another),
         "fast_path_excl_download_s": fast_excl_s,
         "fast_path_s_per_gib": fast_excl_s / gib,
         "fastest_step_s_per_gib": min(fast_excl) / gib,
         "full_download_s": full_s,
         # Named for the contract's link speed; with --mbps it is the speedup at that speed.
         "speedup_vs_full_400mbps": full_s / fast_s,
-        "per_step": {"fast_path_s": fast, "fast_path_excl_download_s": fast_excl, "patch_bytes": patch_bytes},
+        "per_step": {
+            "fast_path_s": fast,
+            "fast_path_excl_download_s": fast_excl,
+            "patch_bytes": patch_bytes,
+            "fast_path_one_get_after_another_s": one_after_another,
+        },
     }
 
 
@@ -193,6 +234,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
     parser.add_argument("--steps", type=int, help="fast-path steps measured (default 8; quick 12)")
     parser.add_argument("--mbps", type=float, default=400.0, help="link speed in megabits per second")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="each request's wait for its first byte (default 0)")
     parser.add_argument("--numpy", action="store_true", help="without the numba kernels (as without pulsesync[fast])")
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="codec workload(s) to run")
     args = parser.parse_args()
@@ -208,17 +250,18 @@ def main() -> None:
     for workload in WORKLOADS if args.workload == "both" else [args.workload]:
         with tempfile.TemporaryDirectory(prefix="pulsesync-bench-") as tmp:
             states = publish(Path(tmp), key, trainer_for(workload, hidden, layers), steps)
-            r = results[workload] = asyncio.run(measure(Path(tmp), key, states, args.mbps))
+            r = results[workload] = asyncio.run(measure(Path(tmp), key, states, args.mbps, args.rtt_ms / 1000))
             del states  # 9 states of the full run: free them before the next workload's
         speedup = r["speedup_vs_full_400mbps"]
         print(
             f"\n[{workload}] {r['state_gib']:.2f} GiB of bf16 state, {r['steps']} fast-path steps, "
-            f"link {args.mbps:g} Mb/s, {kernels}"
+            f"link {args.mbps:g} Mb/s, first byte after {args.rtt_ms:g} ms, {kernels}"
         )
         print(f"{'measure':<36} {'seconds':>9} {'s/GiB':>7} {'MB':>9}")
         full = f"{r['full_download_s']:>9.3f} {'':>7} {r['full_bytes'] / 1e6:>9.1f}"
         print(f"{'full checkpoint download (baseline)':<36} {full}")
         print(f"{'fast path, download included':<36} {r['fast_path_s']:>9.3f} {'':>7} {r['patch_bytes'] / 1e6:>9.2f}")
+        print(f"{'  the same, patch GET after marker':<36} {r['fast_path_one_get_after_another_s']:>9.3f}")
         print(
             f"{'fast path, download excluded':<36} {r['fast_path_excl_download_s']:>9.3f} "
             f"{r['fast_path_s_per_gib']:>7.3f} {'':>9}"

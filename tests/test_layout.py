@@ -39,6 +39,18 @@ def test_parse_ready_key_round_trip_and_rejects_others() -> None:
         assert layout.parse_ready_key(key) is None
 
 
+def test_next_patch_key_keeps_the_run_and_takes_only_patch_keys() -> None:
+    assert layout.next_patch_key(layout.patch_key(7, "ab12"), 8) == layout.patch_key(8, "ab12")
+    for key in [
+        layout.part_key(7, "ab12", 0),  # a sharded step's part
+        layout.anchor_dir(7, "ab12") + "model.safetensors",
+        "patches/000000000007/patch-AB.bin",
+        "patches/000000000007/patch-ab12.bin.tmp",
+        "x/patches/000000000007/patch-ab12.bin",
+    ]:
+        assert layout.next_patch_key(key, 8) is None
+
+
 def test_step_bounds() -> None:
     with pytest.raises(ValueError):
         layout.patch_key(-1, "a1")

@@ -35,6 +35,7 @@ from pulsesync.protocol.manifest import (
     check_newer,
     verify_manifest,
 )
+from pulsesync.protocol.speculation import Speculation
 from pulsesync.sharding.layout import Assembly
 from pulsesync.store import ObjectInfo, Store
 from pulsesync.threads import in_thread_to_completion
@@ -72,6 +73,9 @@ class ChainClient:
     stream_id: str | None = None  # when set, manifests of any other stream are refused (ForeignStreamError)
     rejected: dict[str, str] = field(default_factory=dict)  # ready key -> why its marker did not verify
     last_rejection: IntegrityError | None = None
+    # Read a run's next patch beside its marker (protocol/speculation.py): a follower's fast path.
+    speculate: bool = False
+    _ahead: Speculation | None = None
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
     _last_key: str | None = None
     _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest]] = field(default_factory=dict)
@@ -176,8 +180,12 @@ class ChainClient:
             data, manifest = known
             check_newer(manifest, newer_than, f"{self.store.url}{key}")
         else:
+            if self.speculate and kind == "patch":
+                await self._read_ahead(step)
             data = await self.marker(step, kind)
-            manifest = verify_manifest(data, self.trusted, newer_than=newer_than, name=f"{self.store.url}{key}")
+            # In a thread: a patch read ahead is hashed meanwhile (the event loop hands it over).
+            name = f"{self.store.url}{key}"
+            manifest = await asyncio.to_thread(verify_manifest, data, self.trusted, newer_than=newer_than, name=name)
             self.manifests_verified += 1
         if manifest.step < step:  # an old, validly signed manifest put back under a newer key
             raise ReplayError(f"{self.store.url}{key}: holds the manifest of the older step {manifest.step} (replay)")
@@ -195,6 +203,28 @@ class ChainClient:
             del self._verified[oldest]
             self.published_at.pop(oldest, None)
         return manifest
+
+    async def _read_ahead(self, step: int) -> None:
+        """Start reading step's patch under the key its run would give it, if the step listed before it is a
+        verified one-object patch (a follower one step behind; a chain walk guesses only for its first link)."""
+        before = max((s for s in self._ready if s < step), default=None)
+        known = self._verified.get(before) if before is not None else None
+        if known is None or known[1].kind != "patch" or len(known[1].objects) != 1:
+            return
+        last = known[1].objects[0]
+        key = layout.next_patch_key(last.key, step)
+        if key is None or (self._ahead is not None and self._ahead.key == key):
+            return
+        await self.drop_read_ahead()
+        # Bounded by the run's last patch: a much larger one (or anything put under the key) is read as usual.
+        self._ahead = Speculation(self.store, key, max_size=4 * last.size + (1 << 20))
+
+    async def drop_read_ahead(self) -> None:
+        """Stop a patch read ahead that no fetch has taken."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            await ahead.cancel()
+            self.bytes_downloaded += ahead.read_bytes
 
     async def walk(
         self, start: int, stop_at: Callable[[int], bool], newer_than: int | None = None
@@ -220,6 +250,12 @@ class ChainClient:
 
     async def fetch(self, ref: ObjectRef) -> bytes:
         """An object's bytes, checked against the size and SHA-256 its manifest lists."""
+        if self._ahead is not None and self._ahead.key == ref.key:
+            ahead, self._ahead = self._ahead, None
+            read_ahead = await ahead.take(ref)
+            self.bytes_downloaded += ahead.read_bytes
+            if read_ahead is not None:
+                return read_ahead
         data = await self.store.get(ref.key, max_size=ref.size)  # a larger object stops at size + 1 bytes
         self.bytes_downloaded += len(data)
         await asyncio.to_thread(check_object, ref, data, f"{self.store.url}{ref.key}")

@@ -28,6 +28,7 @@ READY_PREFIX = "ready/"
 # [0-9], not \d (which takes any Unicode digit); fullmatch, since $ also matches before a final newline.
 _READY_RE = re.compile(r"([0-9]{12})\.(patch|anchor)\.json")
 _PAYLOAD_RE = re.compile(r"(?:patches|anchors)/([0-9]{12})/.+", re.DOTALL)
+_PATCH_RE = re.compile(r"patches/[0-9]{12}/patch-([0-9a-z]{1,32})\.bin")
 
 
 def _check_step(step: int) -> int:
@@ -55,6 +56,12 @@ def _check_run_id(run_id: str) -> str:
 def patch_key(step: int, run_id: str) -> str:
     """Key of the patch payload object that publisher run `run_id` wrote for a step."""
     return f"{patch_prefix(step)}patch-{_check_run_id(run_id)}.bin"
+
+
+def next_patch_key(key: str, step: int) -> str | None:
+    """The key the run that wrote patch `key` gives its patch of `step`; None if `key` is no patch_key."""
+    match = _PATCH_RE.fullmatch(key)
+    return patch_key(step, match.group(1)) if match else None
 
 
 def anchor_prefix(step: int) -> str:

@@ -147,7 +147,9 @@ class Subscriber:
             raise ConfigError("trusted_keys: a subscriber needs at least one trusted public key (--trusted-key)")
         self.config = config
         self.store = store or open_store(config.store)
-        self.chain = ChainClient(self.store, trusted, threads=config.codec.threads, stream_id=config.stream_id)
+        self.chain = ChainClient(
+            self.store, trusted, threads=config.codec.threads, stream_id=config.stream_id, speculate=True
+        )
         advisory = config.advisory_deadline_seconds
         self.poll = PointerPoll(self.store, config.list_every_seconds, advisory) if config.poll_pointer else None
         fleet_id = config.subscriber_id or default_subscriber_id(config.cache_dir)
@@ -304,6 +306,7 @@ class Subscriber:
     async def close(self) -> None:
         """Finish writing the state cache; release the store."""
         await self._compacted()
+        await self.chain.drop_read_ahead()
         if self._warm_up is not None:
             await asyncio.wait([self._warm_up])
         await self.store.close()
