@@ -334,24 +334,26 @@ def _gap_codes_patch(base: dict, positions: list[int]) -> bytes:
 def test_a_position_outside_the_chunk_late_in_a_gap_coded_record_is_refused_and_rolled_back(
     pair, kernels: bool, monkeypatch
 ) -> None:
-    """The batch kernel decodes each position a few elements ahead of its write: the 41st position is
-    outside the chunk, so the first ones were written before it was seen. The error names the
-    record, and the undo log holds exactly what was written (on both paths)."""
+    """The batch kernel decodes each position AHEAD elements before its write: the position after
+    AHEAD + 24 inside the chunk is outside it, so the first 24 were written before it was seen. The
+    error names the record, and the undo log holds exactly what was written (on both paths)."""
     base, _ = pair
     monkeypatch.setattr(fused, "enabled", kernels)
-    bad = [*range(0, 80, 2), 1024]  # 40 positions inside the chunk of 1024, then one just outside
+    inside = fused.AHEAD + 24
+    bad = [*range(0, 2 * inside, 2), 1024]  # positions inside the chunk of 1024, then one just outside
     work, undo = clone_state(base), UndoLog()
     with pytest.raises(CorruptPatchError, match="'sparse' at element 0: a position is outside the chunk of 1024"):
         apply_patch(work, _gap_codes_patch(base, bad), undo=undo)
     written = sum(0 if index is None else len(index) for _, _, _, index, _ in undo.chunks)
-    assert written == (40 - fused.AHEAD if kernels else 0)  # what the kernel wrote before it saw the position
+    assert written == (24 if kernels else 0)  # what the kernel wrote before it saw the position
     undo.rollback(work)
     assert_states_equal(work, base)
     # The same positions, all inside: applied (so the position is the cause), every delta -1.
     work = clone_state(base)
     with pytest.raises(IntegrityError, match="promises"):  # its state digest is deliberately wrong
         apply_patch(work, _gap_codes_patch(base, bad[:-1]))
-    moved = work["sparse"].view(torch.int16)[0:80:2].to(torch.int32) - base["sparse"].view(torch.int16)[0:80:2]
+    moved = work["sparse"].view(torch.int16)[0 : 2 * inside : 2].to(torch.int32)
+    moved -= base["sparse"].view(torch.int16)[0 : 2 * inside : 2]
     assert moved.abs().max() >= 1
 
 
