@@ -32,8 +32,8 @@ class Speculation:
         self._task = asyncio.ensure_future(self._read_and_hash(store, max_size))
 
     async def take(self, ref: ObjectRef) -> bytes | None:
-        """The bytes read, if they are exactly the object `ref` describes; None: fetch it."""
-        found = await self._task if ref.key == self.key else None
+        """The bytes read, if they are exactly the object `ref` (of this key) describes; None: fetch it."""
+        found = await self._task
         if found is None or len(found[0]) != ref.size or found[1] != ref.sha256:
             log.debug("patch %s was not read ahead (a wrong guess, or another object under its key)", ref.key)
             return None
