@@ -7,17 +7,20 @@ publisher: each rank encodes and uploads its part, rank 0 commits). torchrun sta
 this machine (gloo, CPU); codec threads are 1 on every rank. Measured in the same run:
 
   pipeline    per patch step: diff + encode + upload + commit (the whole-model publisher's
-              encode_s + upload_s + commit_s; on N ranks, rank 0's part plus the gather, the
-              commit and the broadcast: the step's critical path); each world is timed twice,
-              the faster median kept
-  peak        each rank's peak resident memory while publishing (VmHWM, reset after the
+              encode_s + upload_s + commit_s; on N ranks, rank 0's part plus the commit and the
+              broadcast: the step's critical path), the median over a run's steps. Each rank
+              publishes its states in ROUNDS rounds (a fresh publisher and store each), and
+              each world is started twice, after all the first runs: the fastest of its
+              2 x ROUNDS medians is kept
+  peak        each rank's peak resident memory while publishing one round (VmHWM, reset after the
               trainer's states are made and the codec's kernels compiled) over its shard's
               bytes, in a second run with MALLOC_MMAP_THRESHOLD_=131072 so freed buffers leave
               the resident set (glibc's default keeps some; its figure is printed beside)
 
-The parent then subscribes to each run's store and checks every step bit for bit against the
-trainers' states, regenerated. Contracts (exit 1 when broken): bit-exact; per-rank peak <= 2.3x its
-shard; the pipeline with 2 ranks >= 1.6x faster than 1 rank publishing the whole model.
+The parent then subscribes to every round's store of each world's first start and checks every
+step bit for bit against the trainers' states, regenerated. Contracts (exit 1 when broken):
+bit-exact; per-rank peak <= 2.3x its shard; the pipeline with 2 ranks >= 1.6x faster than 1 rank
+publishing the whole model.
 
     python bench/sharded.py --quick --json out.json    # 94M parameters, 1 and 2 ranks, < 3 minutes
     python bench/sharded.py --ranks 1,2,4              # 0.2B parameters
@@ -91,8 +94,11 @@ def warm_up_codec() -> None:
     encode(old, new, CodecParams(threads=1))
 
 
-def worker(out: Path, hidden: int, layers: int, steps: int) -> None:
-    """One rank: make its states, then publish them all, timing the pipeline and the peak memory."""
+ROUNDS = 3  # publishing rounds per started world: a round costs ~2 s, starting a world ~15 s (its states)
+
+
+def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None:
+    """One rank: make its states, then publish them all `rounds` times, timing the pipeline and the peak memory."""
     import torch.distributed as dist
 
     from pulsesync.publisher import Publisher, PublisherConfig
@@ -119,34 +125,48 @@ def worker(out: Path, hidden: int, layers: int, steps: int) -> None:
         on_backpressure="block",
         codec=CodecParams(threads=1),
     )
-    publisher = Publisher(config, store=FileStore(out / "store"), declared=declared if world > 1 else None)
     warm_up_codec()  # one-time costs (kernel compilation) are not the publisher's memory per shard
     # Hand the trainer's freed memory back first, so the publisher's copies show in the resident size
     # instead of reusing it unseen; then the peak so far is the trainer's: start counting here.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss("VmRSS")
-    for step, state in enumerate(states):
-        publisher.publish(step, {n: state[n] for n in state})
-        publisher.flush()
-    publisher.close()
-    peak = _rss("VmHWM") - before
-    pipeline = [r.encode_s + r.upload_s + r.commit_s for r in publisher.reports if r.kind == "patch" and r.ok]
-    parts = {
-        "encode_upload_s": [r.encode_s + r.upload_s for r in publisher.reports if r.kind == "patch" and r.ok],
-        "commit_s": [r.commit_s for r in publisher.reports if r.kind == "patch" and r.ok],
+    pipeline, encode_upload, commit, peak = [], [], [], 0
+    for r in range(rounds):
+        store = FileStore(out / f"store-{r}")
+        publisher = Publisher(config, store=store, declared=declared if world > 1 else None)
+        for step, state in enumerate(states):
+            publisher.publish(step, {n: state[n] for n in state})
+            publisher.flush()
+        publisher.close()
+        patches = [p for p in publisher.reports if p.kind == "patch" and p.ok]
+        pipeline.append([p.encode_s + p.upload_s + p.commit_s for p in patches])
+        encode_upload.append([p.encode_s + p.upload_s for p in patches])
+        commit.append([p.commit_s for p in patches])
+        del publisher
+        if not r:  # the peak of one round: later rounds' publishers reuse (or add to) the freed heap
+            peak = _rss("VmHWM") - before
+    result = {
+        "rank": rank,
+        "world": world,
+        "shard_bytes": shard,
+        "peak_bytes": peak,
+        "pipeline_s": pipeline,  # per round, per patch step
+        "encode_upload_s": encode_upload,
+        "commit_s": commit,
     }
-    result = {"rank": rank, "world": world, "shard_bytes": shard, "peak_bytes": peak, "pipeline_s": pipeline} | parts
     (out / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def torchrun(world: int, out: Path, hidden: int, layers: int, steps: int, env: dict[str, str]) -> list[dict[str, Any]]:
+def torchrun(
+    world: int, out: Path, hidden: int, layers: int, steps: int, rounds: int, env: dict[str, str]
+) -> list[dict[str, Any]]:
     """Run the workers on `world` ranks into `out`; returns each rank's results."""
     out.mkdir(parents=True)
     signing.write_keypair(out / "key")
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(world), __file__, "--worker", str(out)]
-    cmd += ["--hidden", str(hidden), "--layers", str(layers), "--steps", str(steps)]
+    cmd += ["--hidden", str(hidden), "--layers", str(layers), "--steps", str(steps), "--rounds", str(rounds)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"} | env)
     if done.returncode:
         sys.exit(f"{world} ranks failed:\n{(done.stdout + done.stderr)[-4000:]}")
@@ -161,26 +181,29 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
     encode temporaries then stay resident (2.4-2.5x a shard, docs/benchmarks.md). Timing runs keep
     the default: the fixed threshold's page faults slow the whole-model baseline 2x.
     """
-    timed = torchrun(world, out / "timed", hidden, layers, steps, {})
+    timed = torchrun(world, out / "timed", hidden, layers, steps, ROUNDS, {})
     exact = asyncio.run(check(out / "timed", hidden, layers, steps, world))
-    sized = torchrun(world, out / "sized", hidden, layers, 3, {"MALLOC_MMAP_THRESHOLD_": "131072"})
+    sized = torchrun(world, out / "sized", hidden, layers, 3, 1, {"MALLOC_MMAP_THRESHOLD_": "131072"})
     default_peak = max(r["peak_bytes"] / r["shard_bytes"] for r in timed)
-    # The critical path of a step: rank 0's (its commit waits for every rank's part).
-    pipeline = statistics.median(timed[0]["pipeline_s"])
     peak = max(r["peak_bytes"] / r["shard_bytes"] for r in sized)
     params = sum(torch.Size(s).numel() for s in llm_like_shapes(hidden, layers, vocab=96 * hidden).values())
     return {
         "world": world,
         "parameters": params,
-        "pipeline_s": pipeline,
+        "pipeline_s_rounds": round_medians(timed),
         "peak_over_shard": peak,
         "peak_over_shard_default_malloc": default_peak,
         "bit_exact": exact,
     }
 
 
+def round_medians(ranks: list[dict[str, Any]]) -> list[float]:
+    """Each round's median step: rank 0's, the step's critical path (its commit waits for every rank's part)."""
+    return [statistics.median(steps) for steps in ranks[0]["pipeline_s"]]
+
+
 async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> bool:
-    """Every step a subscriber serves equals the ranks' states put together, bit for bit."""
+    """Every step a subscriber of each round's store serves equals the ranks' states put together, bit for bit."""
     from pulsesync.store import FileStore
     from pulsesync.subscriber import Subscriber
     from pulsesync.subscriber.config import SubscriberConfig
@@ -188,7 +211,8 @@ async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> 
     shapes = llm_like_shapes(hidden, layers, vocab=96 * hidden)
     trainers = [rank_trainer(shapes, r, world) for r in range(world)]
     trusted = signing.trusted_keys([out / "key" / "publisher.pub"])
-    sub = Subscriber(SubscriberConfig(), store=FileStore(out / "store"), trusted=trusted)
+    stores = sorted(out.glob("store-*"))
+    subs = [Subscriber(SubscriberConfig(), store=FileStore(store), trusted=trusted) for store in stores]
     exact = True
     for step in range(steps + 1):
         if step:
@@ -196,10 +220,12 @@ async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> 
                 t.step()
         parts = [t.state() for t in trainers]
         whole = {n: torch.cat([p[n] for p in parts if n in p]) for n in shapes}
-        await sub.sync(step)
-        assert sub.state is not None
-        exact &= all(torch.equal(sub.state[n].view(torch.int16), whole[n].view(torch.int16)) for n in shapes)
-    await sub.close()
+        for sub in subs:
+            await sub.sync(step)
+            assert sub.state is not None
+            exact &= all(torch.equal(sub.state[n].view(torch.int16), whole[n].view(torch.int16)) for n in shapes)
+    for sub in subs:
+        await sub.close()
     return exact
 
 
@@ -213,21 +239,23 @@ def main() -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     hidden = args.hidden or (768 if args.quick else 1024)
     layers = args.layers or (6 if args.quick else 8)
     steps = args.steps or (6 if args.quick else 8)
     if args.worker is not None:
-        return worker(args.worker, hidden, layers, steps)
+        return worker(args.worker, hidden, layers, steps, args.rounds)
     worlds = [int(w) for w in args.ranks.split(",")]
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-sharded-") as tmp:
         runs = {w: run(w, Path(tmp) / f"world-{w}", hidden, layers, steps) for w in worlds}
-        # Each world timed once more, after all the first runs, the faster median kept: a moment of
-        # noise on this 2-core VM slows a run of 2 ranks (each needs a core) far more than one of 1
+        # Each world started once more, after all the first runs, and the fastest round kept: a moment
+        # of noise on this 2-core VM slows a run of 2 ranks (each needs a core) far more than one of 1
         # (a CI run measured 1.04x where the same commit measured 2.06x minutes later).
         for w in worlds:
-            again = torchrun(w, Path(tmp) / f"world-{w}" / "timed-again", hidden, layers, steps, {})
-            runs[w]["pipeline_s"] = min(runs[w]["pipeline_s"], statistics.median(again[0]["pipeline_s"]))
+            again = torchrun(w, Path(tmp) / f"world-{w}" / "timed-again", hidden, layers, steps, ROUNDS, {})
+            runs[w]["pipeline_s_rounds"] += round_medians(again)
+            runs[w]["pipeline_s"] = min(runs[w]["pipeline_s_rounds"])
     base = runs[1]["pipeline_s"]
     print(f"{runs[1]['parameters'] / 1e6:.0f}M parameters bf16, {steps} patch steps, codec threads 1 per rank")
     header = f"{'ranks':>5} {'pipeline s/step':>16} {'speedup':>8} {'peak/shard':>11} {'(default malloc)':>17}"
