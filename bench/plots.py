@@ -192,7 +192,9 @@ def publish(doc: dict[str, Any], out: Path) -> list[Path]:
     latency.set_ylabel("milliseconds on the trainer's thread")
     latency.set_ylim(bottom=0)
     latency.legend(fontsize=8)
-    latency.set_title(f"publish / host copy: median {doc['ratio_publish_to_copy']:.2f}x (contract < 2x)", fontsize=9)
+    fastest, median = doc["ratio_fastest_publish_to_copy"], doc["ratio_publish_to_copy"]
+    ratios = f"fastest {fastest:.2f}x (contract < 2x), median {median:.2f}x"
+    latency.set_title(f"publish / host copy: {ratios}", fontsize=9)
     patches = per_step["patches"]
     bottom = [0.0] * len(patches)
     for i, stage in enumerate(("digest", "encode", "upload", "commit")):
