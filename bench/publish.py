@@ -9,9 +9,9 @@ CPU as it would beside a GPU trainer) into a filesystem store, with the default 
               digest, diff, encode, upload and commit run on the publisher's own thread
 The contract: publish < 2 x host_copy, the fastest publish() over the fastest copy. On this VM
 the same 61 MB copy takes 4-5 ms or 10-12 ms from one step to the next, with no page fault after
-the first two steps: the speed follows where the source and destination buffers landed in the
-host's memory, so a run's medians can show either side 2x the other with the code unchanged
-(docs/benchmarks.md). Extra work on the trainer's thread slows every publish(), the fastest too.
+the first two steps, and which of the two a copy takes follows its buffers (where they landed in
+the host's memory, most likely), so a run's medians can show either side 2x the other with the
+code unchanged (docs/benchmarks.md). Extra work on the trainer's thread slows every publish(), the fastest too.
 The median of pairs (each publish over the copy just before it) is reported beside, as are the
 pipeline's own seconds per step; the newest committed step is rebuilt from the store and checked
 bitwise.
@@ -105,7 +105,7 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
         "publish_max_s": max(latencies),
         # Each publish against the copy measured just before it: drifts cancel pairwise.
         "ratio_publish_to_copy": statistics.median(p / c for p, c in zip(latencies, copies, strict=True)),
-        # The contract's: the fastest of each, where both buffers landed in fast memory.
+        # The contract's: the fastest of each (the module's docstring says why).
         "ratio_fastest_publish_to_copy": min(latencies) / min(copies),
         "pipeline_s_per_patch": statistics.median(pipeline) if pipeline else 0.0,
         "patch_ratio": statistics.median(r.ratio for r in patches) if patches else 0.0,
