@@ -106,6 +106,8 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
         # Each publish against the copy measured just before it: drifts cancel pairwise.
         "ratio_publish_to_copy": statistics.median(p / c for p, c in zip(latencies, copies, strict=True)),
         # The contract's: the fastest of each (the module's docstring says why).
+        "host_copy_fastest_s": min(copies),
+        "publish_fastest_s": min(latencies),
         "ratio_fastest_publish_to_copy": min(latencies) / min(copies),
         "pipeline_s_per_patch": statistics.median(pipeline) if pipeline else 0.0,
         "patch_ratio": statistics.median(r.ratio for r in patches) if patches else 0.0,
@@ -141,8 +143,8 @@ def main() -> None:
     print(f"{'measure':<28} {'seconds':>9}")
     print(f"{'host_copy (baseline)':<28} {r['host_copy_s']:>9.4f}")
     print(f"{'publish() median':<28} {r['publish_s']:>9.4f}")
-    print(f"{'host_copy fastest':<28} {min(r['per_step']['host_copy_s']):>9.4f}")
-    print(f"{'publish() fastest':<28} {min(r['per_step']['publish_s']):>9.4f}")
+    print(f"{'host_copy fastest':<28} {r['host_copy_fastest_s']:>9.4f}")
+    print(f"{'publish() fastest':<28} {r['publish_fastest_s']:>9.4f}")
     print(f"{'publish() max':<28} {r['publish_max_s']:>9.4f}")
     print(f"{'pipeline per patch':<28} {r['pipeline_s_per_patch']:>9.4f}")
     print(

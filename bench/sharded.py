@@ -131,7 +131,7 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss("VmRSS")
-    pipeline, encode_upload, commit, peak = [], [], [], 0
+    pipeline, peak = [], 0
     for r in range(rounds):
         store = FileStore(out / f"store-{r}")
         publisher = Publisher(config, store=store, declared=declared if world > 1 else None)
@@ -141,8 +141,6 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
         publisher.close()
         patches = [p for p in publisher.reports if p.kind == "patch" and p.ok]
         pipeline.append([p.encode_s + p.upload_s + p.commit_s for p in patches])
-        encode_upload.append([p.encode_s + p.upload_s for p in patches])
-        commit.append([p.commit_s for p in patches])
         del publisher
         if not r:  # the peak of one round: later rounds' publishers reuse (or add to) the freed heap
             peak = _rss("VmHWM") - before
@@ -152,8 +150,6 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
         "shard_bytes": shard,
         "peak_bytes": peak,
         "pipeline_s": pipeline,  # per round, per patch step
-        "encode_upload_s": encode_upload,
-        "commit_s": commit,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
