@@ -118,12 +118,12 @@ def initial_state(spec: Spec) -> dict[str, torch.Tensor]:
 
 
 def _positions(step: int, total: int, changes: int) -> np.ndarray:
-    """The flat positions step `step` changes: half fresh, half those of the step before."""
+    """The flat positions step `step` changes: half fresh, half those the step before drew fresh (it changed them)."""
     fresh = np.random.default_rng(step).integers(0, total, changes, dtype=np.int64)
     if step <= 1:
         return np.unique(fresh)
     before = np.random.default_rng(step - 1).integers(0, total, changes, dtype=np.int64)
-    return np.unique(np.concatenate([fresh[: changes // 2], before[changes // 2 :]]))
+    return np.unique(np.concatenate([fresh[: changes // 2], before[: changes // 2]]))
 
 
 def advance(state: dict[str, torch.Tensor], step: int, changes: int) -> None:
