@@ -38,6 +38,7 @@ from pulsesync.codec.baseline import pulse_encode, pulse_wire
 from pulsesync.codec.encoder import _Changes
 from pulsesync.codec.format import RECORD_FIXED_V2, PositionCoding, parse_header
 from pulsesync.codec.history import ChunkHistory
+from pulsesync.digest import state_digest
 from pulsesync.dtypes import DTYPES
 from pulsesync.errors import CorruptPatchError, MissingReferenceError, PulseSyncError
 from pulsesync.protocol import layout
@@ -205,6 +206,32 @@ def _coverage_patches() -> list[tuple[State, bytes, PatchHistory | None]]:
     return out
 
 
+def _as_held(reference: PatchHistory | None, base: State, values: bool) -> PatchHistory | None:
+    """A reference as a subscriber holds it: with `values`, as the batch kernel leaves it after applying that
+    patch (the new values it wrote, which `base`, the state after it, holds there) for 2-byte floats."""
+    if reference is None or not values:
+        return reference
+    chunks = {}
+    for (name, start, length), chunk in reference.chunks.items():
+        tensor = base[name]
+        if tensor.element_size() == 2 and tensor.is_floating_point():
+            positions, deltas = np.ascontiguousarray(chunk.positions), np.ascontiguousarray(chunk.deltas)
+            held = tensor.view(-1).view(torch.int16).numpy()[start + positions].copy()
+            addresses = (positions.ctypes.data, deltas.ctypes.data, held.ctypes.data)
+            chunk = ChunkHistory(positions, deltas, addresses, held)
+        chunks[(name, start, length)] = chunk
+    return PatchHistory(reference.sha256, chunks)
+
+
+# Every coverage patch as coded against its reference, and each history-coded one again against the
+# reference a subscriber's kernel holds (with the values it wrote).
+_COVERAGE_CASES = [pytest.param(i, False, id=f"{i}-reference") for i in range(len(_coverage_patches()))] + [
+    pytest.param(i, True, id=f"{i}-held-values")
+    for i, (_, _, reference) in enumerate(_coverage_patches())
+    if reference is not None
+]
+
+
 def test_the_coverage_patches_hold_every_record_kind() -> None:
     kinds = set().union(*(_kinds(patch) for _, patch, _ in _coverage_patches()))
     expected = {
@@ -227,10 +254,14 @@ def test_the_coverage_patches_hold_every_record_kind() -> None:
 
 
 @pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
-@pytest.mark.parametrize("index", range(len(_coverage_patches())))
-def test_the_kernels_and_numpy_apply_every_coverage_patch_alike(index: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every record kind and coding (RAW values of 2-byte floats batched too): same state, undo log and history."""
+@pytest.mark.parametrize(("index", "values"), _COVERAGE_CASES)
+def test_the_kernels_and_numpy_apply_every_coverage_patch_alike(
+    index: int, values: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every record kind and coding (RAW values of 2-byte floats batched too): same state, undo log and history;
+    also where the reference holds the values its patch wrote (_apply_history_known)."""
     base, patch, reference = _coverage_patches()[index]
+    reference = _as_held(reference, base, values)
     outcomes = []
     for enabled in (True, False):
         monkeypatch.setattr(fused, "enabled", enabled)
@@ -251,10 +282,11 @@ def test_the_kernels_and_numpy_apply_every_coverage_patch_alike(index: int, monk
     _assert_same_history(kernel_history, numpy_history)
 
 
-@pytest.mark.parametrize("index", range(len(_coverage_patches())))
-def test_any_flipped_byte_is_an_error_and_the_state_rolls_back(kernel: str, index: int) -> None:
+@pytest.mark.parametrize(("index", "values"), _COVERAGE_CASES)
+def test_any_flipped_byte_is_an_error_and_the_state_rolls_back(kernel: str, index: int, values: bool) -> None:
     """Corruption anywhere in a format-2 patch: a pulsesync error (never another exception); undo restores the state."""
     base, patch, reference = _coverage_patches()[index]
+    reference = _as_held(reference, base, values)
     rng = np.random.default_rng(index)
     for offset in rng.choice(len(patch), size=min(len(patch), 60), replace=False):
         flipped = bytearray(patch)
@@ -462,6 +494,48 @@ def test_format_2_is_written_on_request_without_the_codings_of_format_3() -> Non
     relabelled[end : end + 8] = xxhash.xxh3_64_intdigest(bytes(relabelled[:end])).to_bytes(8, "little")
     with pytest.raises(CorruptPatchError, match="format 2"):
         apply_patch({n: t.clone() for n, t in states[0].items()}, bytes(relabelled))
+
+
+@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+@pytest.mark.parametrize("changed_outside", [False, True])
+def test_the_old_values_a_history_holds_are_used_only_where_the_state_still_holds_them(changed_outside: bool) -> None:
+    """The batch kernel keeps the values each patch wrote in its history: the next patch's class-ordered
+    HISTORY records need every old value before writing, and take the recurring ones from there instead
+    of reading them first. It checks each as it writes: where the held state was changed outside the
+    patches, it restores what it wrote and reads them all, so the result is what the values-free path
+    makes, bit for bit, and the undo log restores the state it found."""
+    states = _real_like_states(3, hidden=128)
+    first = encode(states[0], states[1])
+    second = encode(states[1], states[2], reference=first.history)
+    class_ordered = [
+        (h.name, h.start, h.length)
+        for h, _ in PatchDecoder().split(second.data)
+        if h.kind == RecordKind.HISTORY and h.coding in (ValueCoding.EXP_CODES, ValueCoding.PREDICTED_CODES)
+    ]
+    assert class_ordered
+    held, history = _apply(states[0], first.data, None)
+    assert all(chunk.values is not None for chunk in history.chunks.values())
+    if changed_outside:  # a position both patches change, moved to another magnitude class
+        key = class_ordered[0]
+        again = np.intersect1d(history.chunks[key].positions, second.history.chunks[key].positions)
+        flat = held[key[0]].view(-1).view(torch.int16)
+        flat[key[1] + int(again[len(again) // 2])] ^= 0x0400
+    without_values = PatchHistory(
+        history.sha256,
+        {k: ChunkHistory(c.positions, c.deltas, (*(c.addresses or (0, 0))[:2], 0)) for k, c in history.chunks.items()},
+    )
+    found = {n: t.clone() for n, t in held.items()}
+    results = []
+    for reference in (history, without_values):
+        work, undo = {n: t.clone() for n, t in held.items()}, UndoLog()
+        base = state_digest(states[1])
+        apply_patch(work, second.data, base_digest=base, verify=False, reference=reference, undo=undo)
+        results.append({n: t.clone() for n, t in work.items()})
+        undo.rollback(work)
+        assert_states_equal(work, found)
+    assert_states_equal(results[0], results[1])
+    if not changed_outside:
+        assert_states_equal(results[0], states[2])
 
 
 def test_history_coding_beats_stateless_on_the_real_like_workload() -> None:

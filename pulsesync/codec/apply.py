@@ -162,7 +162,7 @@ def _apply_packed(
     deltas = np.empty(positions.size if history is not None else 0, np.int16)
     target = chunk.detach().numpy()
     fused.apply_delta_2byte(
-        target, positions, packed, escapes, old, deltas, h.start, _NO_LANES if lanes is None else lanes
+        target, positions, packed, escapes, old, deltas, h.start, _NO_LANES if lanes is None else lanes, _NO_NEWS
     )
     _log_kernel_chunk(h, positions, old, deltas, undo, history)
 
@@ -229,7 +229,7 @@ def _apply_deltas(
         ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
         target, out = chunk.detach().numpy(), _NO_LANES if lanes is None else lanes
         fused.apply_planes_2byte(
-            target, positions, record.planes, int(h.coding), ref_deltas, old_values, applied, h.start, out
+            target, positions, record.planes, int(h.coding), ref_deltas, old_values, applied, h.start, out, _NO_NEWS
         )
         _log_kernel_chunk(h, positions, old_values, applied, undo, history)
         return
@@ -268,16 +268,18 @@ def _log_kernel_chunk(
     deltas: np.ndarray,
     undo: UndoLog | None,
     history: PatchHistory | None,
-    addresses: tuple[int, int] | None = None,
+    addresses: tuple[int, int, int] | None = None,
+    values: np.ndarray | None = None,
 ) -> None:
-    """What a fused kernel overwrote into the undo log, and the deltas it applied into the history."""
+    """What a fused kernel overwrote into the undo log, and the deltas (and new values) it applied into the history."""
     if undo is not None:
         undo.chunks.append((h.name, h.start, h.length, positions, old))
     if history is not None:
-        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas, addresses)
+        history.chunks[(h.name, h.start, h.length)] = ChunkHistory(positions, deltas, addresses, values)
 
 
 _NO_LANES = np.zeros(0, np.uint64)  # the kernels' "no digest to update"
+_NO_NEWS = np.zeros(0, np.int16)  # the kernels' "new values not kept"
 
 
 def _add_lanes(lanes: np.ndarray, moved: tuple[int, int]) -> None:
@@ -542,7 +544,8 @@ class _Batch:
         self.names: dict[str, None] = {}  # tensors the kernel changed, in order
         parts = 1 if threads == 1 else RANGES_PER_THREAD * (threads or default_threads())
         self.cut = max(header.decoded_bytes // parts, 1)  # payload bytes of a run
-        # One buffer for the outputs and payloads of every run, sized by the header's declared totals,
+        # One buffer for the outputs (positions, old values, deltas, new values: 14 bytes a change) and
+        # payloads of every run, sized by the header's declared totals,
         # reused once the undo log and history that refer to it are gone (codec.arenas: fresh pages
         # fault in the kernel's stores). The totals are not trusted: capped far above what a patch of
         # this size holds (~1 change a byte), and a run that would not fit gets a buffer of its own.
@@ -595,33 +598,37 @@ class _Batch:
         at = out = 0
         for h, _ in items:
             address = self.state[h.name].data_ptr() + 2 * h.start  # contiguous, checked by check_target
-            ref_positions = ref_deltas = 0
+            ref_positions = ref_deltas = ref_values = 0
             new_count = h.count
             if h.kind == RecordKind.HISTORY:
                 reference = _reference_of(h, self.references)
                 kept.append(reference)
                 assert reference.addresses is not None
-                ref_positions, ref_deltas = reference.addresses
+                ref_positions, ref_deltas, ref_values = reference.addresses
                 new_count = h.new_count
             head = (address, h.length, at, h.count, h.escapes, h.value_escapes, h.positions, h.coding, h.start, out)
-            rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind))
+            rows.append((*head, new_count, h.ref_count, ref_positions, ref_deltas, h.kind, ref_values))
             at += h.raw_len
             out += h.count
         if self.out + out <= self.changes and self.at + raw + 8 <= self.payload_bytes:
             if self.arena is None:
-                self.arena = _ARENAS.take(12 * self.changes + self.payload_bytes)
-            buffer, first_out, first_at, changes = self.arena, self.out, 12 * self.changes + self.at, self.changes
+                self.arena = _ARENAS.take(_OUT_BYTES * self.changes + self.payload_bytes)
+            buffer, first_out, changes = self.arena, self.out, self.changes
+            first_at = _OUT_BYTES * changes + self.at
             self.out, self.at = self.out + out, self.at + raw + 8
         else:  # the header declared fewer changes than the records hold
-            buffer, first_out, first_at, changes = _ARENAS.take(12 * out + raw + 8), 0, 12 * out, out
+            buffer, first_out, first_at, changes = _ARENAS.take(_OUT_BYTES * out + raw + 8), 0, _OUT_BYTES * out, out
         positions = buffer[8 * first_out : 8 * (first_out + out)].view(np.int64)
-        old = buffer[8 * changes + 2 * first_out : 8 * changes + 2 * (first_out + out)].view(np.int16)
-        deltas = buffer[10 * changes + 2 * first_out : 10 * changes + 2 * (first_out + out)].view(np.int16)
+
+        def int16s(column: int) -> np.ndarray:  # the 2-byte output after `column` others
+            at = (8 + 2 * column) * changes + 2 * first_out
+            return buffer[at : at + 2 * out].view(np.int16)
+
         payloads = buffer[first_at : first_at + raw + 8]
         payloads[raw:] = 0
         table = np.array(rows, np.int64).reshape(-1, fused.ROW_COLUMNS)
         lanes = np.zeros((len(rows), 2 if self.incremental else 0), np.uint64)
-        return _Run(table, payloads, positions, old, deltas, lanes, kept)
+        return _Run(table, payloads, positions, int16s(0), int16s(1), int16s(2), lanes, kept)
 
     def close(self, pending: BaseException | None = None) -> list[tuple[str, tuple[int, int]]]:
         """Hand the last run over, wait for every run and log what it applied; raise the first error in patch order.
@@ -644,15 +651,17 @@ class _Batch:
                 failed, status, done = future.result()
                 end = len(items) if failed < 0 else failed
                 positions_at, deltas_at = run.positions.ctypes.data, run.deltas.ctypes.data
+                news_at = run.news.ctypes.data
                 moved_lanes, outs = run.lanes.tolist(), run.table[:, fused.ROW_OUT].tolist()
                 for index in range(end + 1 if failed >= 0 and done else end):  # and what a failing record wrote
                     h, o = items[index][0], outs[index]
                     n = h.count if index < end else done
-                    written = (positions_at + 8 * o, deltas_at + 2 * o)
+                    written = (positions_at + 8 * o, deltas_at + 2 * o, news_at + 2 * o)
                     part = slice(o, o + n)
                     _log_kernel_chunk(
-                        h, run.positions[part], run.old[part], run.deltas[part], self.undo, self.history, written
-                    )
+                        h, run.positions[part], run.old[part], run.deltas[part], self.undo, self.history, written,
+                        run.news[part],
+                    )  # fmt: skip
                     if self.incremental:
                         moved.append((h.name, (moved_lanes[index][0], moved_lanes[index][1])))
                 if failed >= 0:
@@ -678,12 +687,13 @@ class _Run:
     positions: np.ndarray
     old: np.ndarray
     deltas: np.ndarray
+    news: np.ndarray
     lanes: np.ndarray
     kept: list[ChunkHistory]
 
     def arguments(self) -> tuple[np.ndarray, ...]:
         """fused.apply_batch's arguments."""
-        return self.payloads, self.table, self.positions, self.old, self.deltas, self.lanes
+        return self.payloads, self.table, self.positions, self.old, self.deltas, self.news, self.lanes
 
 
 def _reference_of(h: RecordHeader, references: dict[ChunkKey, ChunkHistory]) -> ChunkHistory:
@@ -701,7 +711,7 @@ def _reference_of(h: RecordHeader, references: dict[ChunkKey, ChunkHistory]) -> 
             f"{record_where(h)}: the reference chunk holds {reference.deltas.dtype} deltas for {h.info.name}"
         )
     positions, deltas = np.ascontiguousarray(reference.positions), np.ascontiguousarray(reference.deltas)
-    return ChunkHistory(positions, deltas, (positions.ctypes.data, deltas.ctypes.data))
+    return ChunkHistory(positions, deltas, (positions.ctypes.data, deltas.ctypes.data, 0))
 
 
 def _batch_error(status: int, h: RecordHeader) -> str:
@@ -713,4 +723,5 @@ def _batch_error(status: int, h: RecordHeader) -> str:
     return bits.kernel_error(status, h.length, h.positions == PositionCoding.GAP_CODES)
 
 
+_OUT_BYTES = 14  # a change's outputs in a run's buffer: its position (8 bytes), old value, delta and new value
 RANGES_PER_THREAD = 4  # runs a thread: threads take the next run when done, one slow run holds none back

@@ -576,6 +576,11 @@ def _write(chunk: Any, p: Any, delta: Any, i: int, old_out: Any, new_bits: Any) 
         new_bits[i] = new
 
 
+def _new_bits(new_out: Any, n: int, lanes: Any) -> Any:
+    """Where a kernel keeps the new bits it writes: new_out, else a buffer of its own if the lanes need them."""
+    return new_out if new_out.size else np.empty(n if lanes.size else 0, np.int16)
+
+
 def _add_lanes_of(lanes: Any, positions: Any, old: Any, new_bits: Any, first: int) -> None:
     """lanes += how the elements written moved the digest's lane sums (nothing if lanes is empty)."""
     if lanes.size:
@@ -585,20 +590,29 @@ def _add_lanes_of(lanes: Any, positions: Any, old: Any, new_bits: Any, first: in
 
 
 def _apply_delta_2byte(
-    chunk: Any, positions: Any, packed: Any, escapes: Any, old_out: Any, deltas_out: Any, first: int, lanes: Any
+    chunk: Any,
+    positions: Any,
+    packed: Any,
+    escapes: Any,
+    old_out: Any,
+    deltas_out: Any,
+    first: int,
+    lanes: Any,
+    new_out: Any,
 ) -> None:
     """chunk[p_i] = from_ordered(to_ordered(chunk[p_i]) + delta_i); old values into old_out.
 
     delta_i = unzigzag(code_i + 1), or unzigzag(escape + 1) for code 3, as bits.unpack_small_deltas;
     into deltas_out unless it is empty (the subscriber's history). Unless `lanes` is empty, adds
     the change of the mixsum-128 lane sums there (the chunk's first element at flat index
-    `first`). One read-modify-write per element, the element AHEAD places on prefetched: the
-    misses overlap as in a bare loop of flips (bench/scale.py's floor), the arithmetic hides in them.
+    `first`). New values go to new_out unless it is empty. One read-modify-write per element, the
+    element AHEAD places on prefetched: the misses overlap as in a bare loop of flips
+    (bench/scale.py's floor), the arithmetic hides in them.
     """
     k = 0
     n = positions.size
     history = deltas_out.size > 0
-    new_bits = np.empty(n if lanes.size else 0, np.int16)
+    new_bits = _new_bits(new_out, n, lanes)
     for i in range(n):
         if i + AHEAD < n:
             _prefetch(chunk, positions[i + AHEAD])
@@ -652,6 +666,7 @@ def _apply_delta_gap_codes(
     deltas_out: Any,
     first: int,
     lanes: Any,
+    new_out: Any,
 ) -> tuple[int, int]:
     """apply_delta_2byte of a record whose positions are GAP_CODES (n codes at payloads[at:], then the extra bits).
 
@@ -668,7 +683,7 @@ def _apply_delta_gap_codes(
             return POSITIONS_OUTSIDE, 0
     k = 0
     history = deltas_out.size > 0
-    new_bits = np.empty(n if lanes.size else 0, np.int16)
+    new_bits = _new_bits(new_out, n, lanes)
     for i in range(n):
         ahead = i + AHEAD
         if ahead < n:
@@ -693,6 +708,7 @@ def _apply_planes_2byte(
     deltas_out: Any,
     first: int,
     lanes: Any,
+    new_out: Any,
 ) -> None:
     """Byte-plane values of a 2-byte float chunk (ValueCoding `coding`): chunk[p_i] += delta_i in value order.
 
@@ -702,12 +718,15 @@ def _apply_planes_2byte(
     EXP_PLANES, negated where the old value is negative; RAW: the planes hold the new bits, delta_i is how far
     they are from the old ones in value order. Plus ref_deltas[i] when given (HISTORY records;
     empty otherwise). Old values go to old_out (undo log), deltas in position order to deltas_out (the
-    subscriber's history); the digest's lane sums change as in apply_delta_2byte.
+    subscriber's history), new values to new_out unless it is empty; the digest's lane sums change
+    as in apply_delta_2byte.
     """
     next_in_class = np.zeros(257, np.int64)
     if _by_class(coding):
         _gather_classes(chunk, positions, old_out, next_in_class)
-    _write_planes(chunk, positions, planes, coding, ref_deltas, old_out, deltas_out, first, lanes, next_in_class)
+    _write_planes(
+        chunk, positions, planes, coding, ref_deltas, old_out, deltas_out, first, lanes, next_in_class, new_out
+    )
 
 
 def _by_class(coding: int) -> bool:
@@ -737,13 +756,14 @@ def _write_planes(
     first: int,
     lanes: Any,
     next_in_class: Any,
+    new_out: Any,
 ) -> None:
     """_apply_planes_2byte's writing pass (class-ordered codings: after the gather that filled old_out)."""
     n = positions.size
     raw, predicted = coding == _RAW, coding == _PREDICTED_CODES
     fold = predicted or coding == _EXP_CODES
     by_class = _by_class(coding)
-    new_bits = np.empty(n if lanes.size else 0, np.int16)
+    new_bits = _new_bits(new_out, n, lanes)
     for i in range(n):
         p = positions[i]
         j = i
@@ -785,32 +805,35 @@ def _merge_history(
 
     Without a branch on the data: which reference positions changed again, and which list the
     next position comes from, are as random as the weights' updates: a branch on them mispredicted
-    about every other element (10.4 ns a merged position, 8.8 without the branches).
+    about every other element (10.4 ns a merged position, 8.8 without the branches). The choice is
+    made with masks, not a conditional expression, which the compiler left a branch (7.2 ns a
+    merged position with the reference's compaction, 4.5-5.1 with masks).
     """
     # The reference positions that changed again, compacted (written always, kept where marked),
-    # each list closed by a sentinel above every position.
-    picked, picked_deltas = np.empty(ref_positions.size + 1, np.int64), np.empty(ref_positions.size + 1, np.int64)
+    # closed by a sentinel above every position.
+    picked, picked_deltas = (
+        np.empty(ref_positions.size + 1, np.int64),
+        np.empty(ref_positions.size + 1, ref_deltas.dtype),
+    )
     m = 0
     for i in range(ref_positions.size):
         picked[m], picked_deltas[m] = ref_positions[i], ref_deltas[i]
         m += np.int64(again[i])
+    picked[m] = _END
     n = fresh.size
-    end = np.int64(1) << 62
-    picked[m] = end
-    new = np.empty(n + 1, np.int64)
-    new[:n] = fresh
-    new[n] = end
     i = j = 0
-    repeats = False
+    repeats = np.int64(0)
     for k in range(m + n):
-        a, b = picked[i], new[j]
-        from_reference = a < b
-        repeats |= a == b
-        positions_out[k] = a if from_reference else b
-        ref_out[k] = picked_deltas[i] if from_reference else 0
-        i += np.int64(from_reference)
-        j += np.int64(not from_reference)
-    return not repeats
+        a = picked[i]
+        b = fresh[j] if j < n else _END
+        take = np.int64(a < b)  # 1: from the reference
+        mask = -take
+        repeats |= np.int64(a == b)
+        positions_out[k] = (a & mask) | (b & ~mask)
+        ref_out[k] = picked_deltas[i] * take
+        i += take
+        j += 1 - take
+    return bool(repeats == 0)
 
 
 # The record table of apply_batch: one row per record, these columns.
@@ -830,8 +853,10 @@ def _merge_history(
     ROW_REF_POSITIONS,  # HISTORY: address of the reference chunk's positions (int64)
     ROW_REF_DELTAS,  # HISTORY: address of the reference chunk's deltas (int16)
     ROW_KIND,  # RecordKind: SPARSE or HISTORY
-) = range(15)
-ROW_COLUMNS = 15
+    ROW_REF_VALUES,  # HISTORY: address of the new values the reference chunk wrote (int16), 0 where not kept
+) = range(16)
+ROW_COLUMNS = 16
+_END = 1 << 62  # closes a list of positions: above every position
 HISTORY_BITMAP_MISMATCH = 6  # the reference bitmap does not mark count - new_count positions (padding: zero)
 HISTORY_REPEATS = 7  # a new position repeats one of the reference's
 _GAP_CODES = int(PositionCoding.GAP_CODES)  # (numba compares plain ints)
@@ -889,22 +914,10 @@ def _history_positions(payloads: Any, at: int, row: Any, chunk: Any, fresh: Any,
     As parse's HISTORY decoding: the bitmap marks the reference positions that changed again
     (exactly count - new_count, zero padding), the new positions (into `fresh`) are merged in.
     """
-    ref_count, n = row[ROW_REF_COUNT], row[ROW_NEW_COUNT]
-    again = np.zeros(ref_count, np.bool_)
-    marked = 0
-    for i in range((ref_count + 7) // 8 * 8):
-        bit = (payloads[at + (i >> 3)] >> (i & 7)) & 1
-        if i >= ref_count and bit:
-            return HISTORY_BITMAP_MISMATCH
-        if i < ref_count:
-            again[i] = bit == 1
-            marked += bit
-    if marked != row[ROW_COUNT] - n:
-        return HISTORY_BITMAP_MISMATCH
-    at += (ref_count + 7) // 8
-    status = _row_positions(payloads, at, n, row[ROW_ESCAPES], row[ROW_POSITIONS], chunk, fresh)
+    status, again = _again_and_fresh(payloads, at, row, chunk, fresh)
     if status != POSITIONS_OK:
         return status
+    ref_count = row[ROW_REF_COUNT]
     reference = _carray(_pointer(row[ROW_REF_POSITIONS]), ref_count, np.int64)
     reference_deltas = _carray(_pointer(row[ROW_REF_DELTAS]), ref_count, np.int16)
     if not _merge_history_k(reference, reference_deltas, again, fresh, found, ref_deltas):
@@ -912,11 +925,129 @@ def _history_positions(payloads: Any, at: int, row: Any, chunk: Any, fresh: Any,
     return POSITIONS_OK
 
 
-def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: Any, lanes: Any) -> tuple[int, int, int]:
+def _again_and_fresh(payloads: Any, at: int, row: Any, chunk: Any, fresh: Any) -> tuple[int, Any]:
+    """A HISTORY record's bitmap of the reference positions that changed again, and its new positions into fresh."""
+    ref_count, n = row[ROW_REF_COUNT], row[ROW_NEW_COUNT]
+    again = np.zeros(ref_count, np.bool_)
+    marked = 0
+    for i in range((ref_count + 7) // 8 * 8):
+        bit = (payloads[at + (i >> 3)] >> (i & 7)) & 1
+        if i >= ref_count and bit:
+            return HISTORY_BITMAP_MISMATCH, again
+        if i < ref_count:
+            again[i] = bit == 1
+            marked += bit
+    if marked != row[ROW_COUNT] - n:
+        return HISTORY_BITMAP_MISMATCH, again
+    at += (ref_count + 7) // 8
+    status: int = _row_positions(payloads, at, n, row[ROW_ESCAPES], row[ROW_POSITIONS], chunk, fresh)
+    return status, again
+
+
+def _apply_history_known(
+    payloads: Any,
+    at: int,
+    row: Any,
+    chunk: Any,
+    found: Any,
+    old_out: Any,
+    deltas_out: Any,
+    new_out: Any,
+    lanes: Any,
+) -> bool:
+    """A class-ordered HISTORY record whose recurring positions' old values are known, in one random pass.
+
+    Its values come in magnitude-class order of the old values, so every old value's class must be
+    counted before the first write. At the positions that changed at the reference patch too (most:
+    Adam's momentum), the old values are the new values that patch wrote, which its history keeps
+    (ROW_REF_VALUES): only the new positions are read first. The merge of both lists then runs
+    inside the writing pass, its arithmetic hidden in the misses, where _history_positions and
+    _apply_planes_2byte take three passes (merge, gather, write). Each old value read is checked
+    against the one its class was counted from. Only a record without fault is applied here: on a
+    value that differs (the held state was changed outside patches), a repeated position or any
+    undecodable part, what was written is restored and False returned, and the record goes the
+    general way, which reports any fault as it always has.
+    """
+    ref_count, n_new, n, coding = row[ROW_REF_COUNT], row[ROW_NEW_COUNT], row[ROW_COUNT], row[ROW_CODING]
+    fresh = np.empty(n_new, np.int64)
+    status, again = _again_and_fresh(payloads, at, row, chunk, fresh)
+    if status != POSITIONS_OK:
+        return False
+    values_at = at + (ref_count + 7) // 8 + _positions_len(n_new, row[ROW_ESCAPES], row[ROW_POSITIONS])
+    status, planes = _value_planes(payloads, values_at, n, row[ROW_VALUE_ESCAPES], coding)
+    if status != POSITIONS_OK:
+        return False
+    reference = _carray(_pointer(row[ROW_REF_POSITIONS]), ref_count, np.int64)
+    reference_deltas = _carray(_pointer(row[ROW_REF_DELTAS]), ref_count, np.int16)
+    reference_values = _carray(_pointer(row[ROW_REF_VALUES]), ref_count, np.int16)
+    # The recurring positions, compacted (as _merge_history), with their values' classes counted.
+    picked = np.empty(ref_count + 1, np.int64)
+    picked_deltas, picked_values = np.empty(ref_count + 1, np.int16), np.empty(ref_count + 1, np.int16)
+    next_in_class = np.zeros(257, np.int64)
+    m = 0
+    for i in range(ref_count):
+        value = reference_values[i]
+        picked[m], picked_deltas[m], picked_values[m] = reference[i], reference_deltas[i], value
+        next_in_class[((np.int32(value) >> 7) & 0xFF) + 1] += np.int64(again[i])
+        m += np.int64(again[i])
+    picked[m] = _END
+    # The new positions' old values, read ahead of the pass (they are not known) and counted.
+    fresh_old = np.zeros(n_new + 1, np.int16)
+    for j in range(n_new):
+        if j + AHEAD < n_new:
+            _prefetch(chunk, fresh[j + AHEAD])
+        value = chunk[fresh[j]]
+        fresh_old[j] = value
+        next_in_class[((np.int32(value) >> 7) & 0xFF) + 1] += 1
+    _class_starts(next_in_class)
+    predicted = coding == _PREDICTED_CODES
+    fold = predicted or coding == _EXP_CODES
+    new_bits = _new_bits(new_out, n, lanes)
+    i = j = 0
+    for k in range(n):
+        if i + AHEAD < m:
+            _prefetch(chunk, picked[i + AHEAD])
+        a = picked[i]
+        b = fresh[j] if j < n_new else _END
+        take = np.int64(a < b)  # 1: a recurring position (branch-free, as _merge_history)
+        mask = -take
+        p = (a & mask) | (b & ~mask)
+        known = (np.int64(picked_values[i]) & mask) | (np.int64(fresh_old[j]) & ~mask)
+        reference_delta = np.int64(picked_deltas[i]) * take
+        old = chunk[p]
+        if a == b or old != known:
+            for t in range(k):
+                chunk[found[t]] = old_out[t]
+            return False
+        i += take
+        j += 1 - take
+        c = (np.int32(old) >> 7) & 0xFF
+        v = next_in_class[c]
+        next_in_class[c] += 1
+        z = np.int32(planes[v]) | (np.int32(planes[n + v]) << 8)
+        delta = (z >> 1) ^ -(z & 1)
+        if fold and old < 0:
+            delta = -delta
+        delta += _predicted_offset(old, reference_delta) if predicted else np.int32(reference_delta)
+        delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
+        new = _add_ordered(np.int32(old), delta)
+        chunk[p] = new
+        found[k] = p
+        old_out[k] = old
+        if new_bits.size:
+            new_bits[k] = new
+        deltas_out[k] = delta
+    _add_lanes_of(lanes, found, old_out, new_bits, np.int64(row[ROW_FIRST]))
+    return True
+
+
+def _apply_batch(
+    payloads: Any, table: Any, positions: Any, old: Any, deltas: Any, news: Any, lanes: Any
+) -> tuple[int, int, int]:
     """Decode and apply SPARSE and HISTORY records of 2-byte floats, one per row of `table`, in one call.
 
     Every record's codes are checked before it writes anything, and every position before it
-    is written; a record's positions, old values and deltas go to the output arrays at ROW_OUT,
+    is written; a record's positions, old values, deltas and new values go to the output arrays at ROW_OUT,
     its digest change to lanes[row] (unless lanes has no columns). `payloads` is padded with 8
     zero bytes. Chunks and reference chunks are given by address (the caller keeps them alive and
     checked them against the records' dtypes, shapes and counts): a typed list of arrays cost
@@ -932,8 +1063,14 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
         coding, first, position_coding = row[ROW_CODING], row[ROW_FIRST], row[ROW_POSITIONS]
         gap_codes = position_coding == _GAP_CODES
         found, row_old, row_deltas = positions[out : out + n], old[out : out + n], deltas[out : out + n]
-        row_lanes = lanes[r]
+        row_news, row_lanes = news[out : out + n], lanes[r]
         if row[ROW_KIND] == _HISTORY:
+            # Nearly every HISTORY record of an RL step: class-ordered, coded against a patch this kernel applied.
+            known = row[ROW_REF_VALUES] != 0 and _by_class(coding)
+            if known and _apply_history_known_k(
+                payloads, at, row, chunk, found, row_old, row_deltas, row_news, row_lanes
+            ):
+                continue
             ref_deltas = np.empty(n, np.int16)
             fresh = np.empty(row[ROW_NEW_COUNT], np.int64)
             status = _history_positions(payloads, at, row, chunk, fresh, found, ref_deltas)
@@ -944,7 +1081,7 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
             status, planes = _value_planes(payloads, values_at, n, row[ROW_VALUE_ESCAPES], coding)
             if status != POSITIONS_OK:
                 return r, status, 0
-            _apply_planes_k(chunk, found, planes, coding, ref_deltas, row_old, row_deltas, first, row_lanes)
+            _apply_planes_k(chunk, found, planes, coding, ref_deltas, row_old, row_deltas, first, row_lanes, row_news)
             continue
         values_at = at + _positions_len(n, escapes, position_coding)
         # Positions are decoded in a pass of their own, then gathered: decoded during the gather, as
@@ -957,7 +1094,7 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
             status, planes = _value_planes(payloads, values_at, n, row[ROW_VALUE_ESCAPES], coding)
             if status != POSITIONS_OK:
                 return r, status, 0
-            _apply_planes_k(chunk, found, planes, coding, _EMPTY_REF, row_old, row_deltas, first, row_lanes)
+            _apply_planes_k(chunk, found, planes, coding, _EMPTY_REF, row_old, row_deltas, first, row_lanes, row_news)
             continue
         if gap_codes:
             status = _check_gap_codes_k(payloads[at : at + n], payloads[at + n : at + n + escapes])
@@ -974,10 +1111,10 @@ def _apply_batch(payloads: Any, table: Any, positions: Any, old: Any, deltas: An
         for k in range(value_escapes):
             escaped[k] = np.uint16(payloads[low + k]) | (np.uint16(payloads[low + value_escapes + k]) << 8)
         if not gap_codes:
-            _apply_delta_k(chunk, found, packed, escaped, row_old, row_deltas, first, row_lanes)
+            _apply_delta_k(chunk, found, packed, escaped, row_old, row_deltas, first, row_lanes, row_news)
             continue
         status, done = _apply_delta_gap_codes_k(
-            chunk, payloads, at, n, packed, escaped, found, row_old, row_deltas, first, row_lanes
+            chunk, payloads, at, n, packed, escaped, found, row_old, row_deltas, first, row_lanes, row_news
         )
         if status != POSITIONS_OK:
             return r, status, done
@@ -1019,6 +1156,7 @@ if numba is not None:  # the kernels call these compiled, inlined
     _rounded_prediction_offset = numba.njit(boundscheck=False)(_rounded_prediction_offset)
     _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
+    _new_bits = numba.njit(inline="always")(_new_bits)
     _by_class = numba.njit(inline="always")(_by_class)
     _gather_classes = numba.njit(boundscheck=False)(_gather_classes)
     _write_planes = numba.njit(boundscheck=False)(_write_planes)
@@ -1058,9 +1196,11 @@ if numba is not None:
     _padded_gap_codes = numba.njit(boundscheck=False)(_padded_gap_codes)
     _row_positions = numba.njit(boundscheck=False)(_row_positions)
     _history_positions = numba.njit(boundscheck=False)(_history_positions)
+    _again_and_fresh = numba.njit(boundscheck=False)(_again_and_fresh)
     _positions_len = numba.njit(inline="always")(_positions_len)
     _value_code_planes = numba.njit(boundscheck=False)(_value_code_planes)
     _value_planes = numba.njit(boundscheck=False)(_value_planes)
+_apply_history_known_k: Any = _k(_apply_history_known)
 apply_batch: Callable[..., tuple[int, int, int]] | None = _k(_apply_batch)
 enabled = numba is not None  # tests switch it off to compare with the numpy path
 
@@ -1087,9 +1227,9 @@ def warm_up() -> None:
     predicted_offsets(old, deltas, np.empty(1, np.int16))
     match_reference(positions, positions, deltas, np.zeros(1, bool), deltas.copy(), positions.copy())
     for lanes in (np.zeros(2, np.uint64), np.zeros(0, np.uint64)):
-        apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes)
-        apply_planes_2byte(chunk, positions, planes, _EXP_PLANES, np.empty(0, np.int16), old, deltas, 0, lanes)
+        apply_delta_2byte(chunk, positions, planes[:1], np.zeros(0, np.uint16), old, deltas, 0, lanes, old[:0])
+        apply_planes_2byte(chunk, positions, planes, _EXP_PLANES, old[:0], old, deltas, 0, lanes, old[:0])
     merge_history(positions, deltas, np.ones(1, bool), positions[:0], positions.copy(), deltas.copy())
     for columns in (2, 0):  # its payloads are a writable arena (codec.apply._apply_batch), not a read-only view
         table = np.zeros((0, ROW_COLUMNS), np.int64)
-        apply_batch(np.zeros(8, np.uint8), table, positions, old, deltas, np.zeros((0, columns), np.uint64))
+        apply_batch(np.zeros(8, np.uint8), table, positions, old, deltas, old.copy(), np.zeros((0, columns), np.uint64))

@@ -22,10 +22,14 @@ class ChunkHistory(NamedTuple):
 
     positions: np.ndarray  # int64
     deltas: np.ndarray  # signed integers of the dtype's width
-    # Where the batch kernel wrote both (contiguous, int64 and int16, kept alive by the arrays):
-    # it reads a reference chunk by address, and numpy's `.ctypes.data` costs ~1.2 us a call,
-    # twice for each of the ~400 records of a 0.6B model's patch.
-    addresses: tuple[int, int] | None = None
+    # Where the batch kernel wrote positions, deltas and values (contiguous, int64, int16 and
+    # int16, kept alive by the arrays; 0: no values): it reads a reference chunk by address, and
+    # numpy's `.ctypes.data` costs ~1.2 us a call, for each of the ~400 records of a 0.6B model's patch.
+    addresses: tuple[int, int, int] | None = None
+    # The new values the patch wrote there (the batch kernel's; None elsewhere): while nothing else
+    # writes the state, the old values the next patch finds at these positions, which the kernel
+    # then need not read before it writes (it checks them as it writes).
+    values: np.ndarray | None = None
 
 
 @dataclass
@@ -38,4 +42,5 @@ class PatchHistory:
     @property
     def nbytes(self) -> int:
         """Memory the history holds."""
-        return sum(c.positions.nbytes + c.deltas.nbytes for c in self.chunks.values())
+        kept = [(c.positions, c.deltas, c.values) for c in self.chunks.values()]
+        return sum(p.nbytes + d.nbytes + (0 if v is None else v.nbytes) for p, d, v in kept)
