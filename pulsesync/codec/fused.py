@@ -490,11 +490,13 @@ def _bf16_parts(bits: Any) -> tuple[Any, Any]:
 def _predicted_offset(old: Any, reference_delta: Any) -> Any:
     """PREDICTED_CODES: how far, in ordered steps, the bf16 nearest 2 * old - prev is from old (0 where unpredicted).
 
-    Nearly always old, prev and old + reference_delta steps share a binade (sign and exponent):
-    then 2 * old - prev is exactly reference_delta ULPs from old, and nothing needs rounding.
-    That shortcut (the binade of negative subnormals excepted: a zero result is +0 there) costs
-    ~2 ns an element where the exact computation, whose branches follow the weights' random
-    signs, costs ~11 (tests/test_codec_v2.py compares the two on every bf16 value).
+    Where old, prev and old + reference_delta steps share a binade (sign and exponent), 2 * old -
+    prev is exactly reference_delta ULPs from old, and nothing needs rounding. That shortcut (the
+    binade of negative subnormals excepted: a zero result is +0 there) costs ~2 ns an element
+    where the exact computation costs ~7 (tests/test_codec_v2.py compares the two on every bf16
+    value). Moves of a few ULPs nearly always take it; a real fine-tune's larger ones often do
+    not (41% of SmolLM2-135M's), and the branch then mispredicts: 9.1 ns an element there, 6.7
+    without the shortcut (docs/benchmarks.md), which bench/scale.py's moves would pay 6.7 for.
     """
     s = np.int64(np.int16(np.int64(old) & 0xFFFF))
     ordered = s ^ ((s >> 15) & 0x7FFF)
@@ -514,50 +516,67 @@ def _rounded_prediction_offset(old: Any, reference_delta: Any) -> Any:
     """_predicted_offset computed in full: the prediction rounded to bf16.
 
     prev = the value reference_delta ordered steps below old (the value before the reference step).
-    2 * old - prev is computed exactly in integers and rounded to bf16 once, ties to even: every
-    encoder and decoder gets the same bits, whatever its floating-point environment. Old stays
-    the prediction where reference_delta is 0 (a new position), either value is not finite, or
-    their exponents are more than 30 apart.
+    2 * old - prev is computed exactly in float64 (both significands span at most 40 of its 53
+    bits when their exponents are at most 30 apart) and rounded to bf16 once, ties to even, from
+    its bits: every encoder and decoder gets the same bits, whatever its floating-point
+    environment (bits.predicted_offsets computes it in integers; the tests compare both on every
+    bf16 value). Old stays the prediction where reference_delta is 0 (a new position), either
+    value is not finite, or their exponents are more than 30 apart. ~7 ns, where the integer
+    rounding (its bit length from frexp, branches on the data) took ~25.
     """
-    if reference_delta == 0:
-        return np.int64(0)
     o = np.int64(old) & 0xFFFF
     ordered = np.int64(np.int16(o)) ^ ((np.int64(np.int16(o)) >> 15) & 0x7FFF)
     p = ((ordered - reference_delta + 32768) & 0xFFFF) - 32768  # prev, ordered
     p = (p ^ ((p >> 15) & 0x7FFF)) & 0xFFFF
-    if (o & 0x7F80) == 0x7F80 or (p & 0x7F80) == 0x7F80:
-        return np.int64(0)
-    eo, mo = _bf16_parts(o)
-    ep, mp = _bf16_parts(p)
-    if abs(eo - ep) > 30:
-        return np.int64(0)
-    low = min(eo, ep)
-    total = 2 * (mo << (eo - low)) - (mp << (ep - low))
-    magnitude = abs(total)
-    if magnitude == 0:
-        predicted = np.int64(0)
-    else:
-        length = np.int64(math.frexp(float(magnitude))[1])  # exact: below 2**41
-        exponent = low + length - 8
-        shift = length - 8 if exponent >= 1 else 1 - low  # subnormal results keep the exponent 1 scale
-        if shift > 0:
-            q = magnitude >> shift
-            rest = magnitude & ((np.int64(1) << shift) - 1)
-            half = np.int64(1) << (shift - 1)
-            if rest > half or (rest == half and q & 1):
-                q += 1
-        else:
-            q = magnitude << -shift
-        if exponent >= 1:
-            if q == 256:
-                q, exponent = np.int64(128), exponent + 1
-            predicted = np.int64(0x7F80) if exponent >= 255 else (exponent << 7) | (q & 0x7F)
-        else:
-            predicted = q  # a subnormal (or, rounded up to 128, the smallest normal)
-        if total < 0:
-            predicted |= 0x8000
+    # Without a branch on the data (which of these hold is as random as the weights): each
+    # condition and both roundings are computed, the results selected.
+    eo, ep = (o >> 7) & 0xFF, (p >> 7) & 0xFF
+    skip = (reference_delta == 0) | (eo == 0xFF) | (ep == 0xFF) | (abs(max(eo, 1) - max(ep, 1)) > 30)
+    t = 2.0 * _bf16_value(o, eo) - _bf16_value(p, ep)
+    bits = _float_bits(t)
+    a = bits & 0x7FFFFFFFFFFFFFFF
+    # A bf16 normal (float64 exponent 1023 - 126 and up): the top 7 significand bits, rounded to
+    # nearest, ties to even (a carry moves the exponent), float64's exponent bias (1023) made
+    # bf16's (127); beyond the largest finite: Inf.
+    normal = min(((a + ((np.int64(1) << 44) - 1) + ((a >> 45) & 1)) >> 45) - (np.int64(896) << 7), np.int64(0x7F80))
+    # A bf16 subnormal: t is a multiple of 2**-133 (both values are), so this count is exact (128:
+    # the smallest normal).
+    subnormal = np.int64(min(abs(t) * 2.0**133, 256.0))  # (capped: a normal t would not fit an int64)
+    magnitude = normal if a >= np.int64(897) << 52 else subnormal
+    predicted = (magnitude | ((bits >> 48) & 0x8000)) if a else np.int64(0)  # (t = -0.0: +0, as numpy)
     s = np.int64(np.int16(predicted))
-    return ((s ^ ((s >> 15) & 0x7FFF)) - ordered + 32768) % 65536 - 32768
+    offset = (((s ^ ((s >> 15) & 0x7FFF)) - ordered + 32768) & 0xFFFF) - 32768
+    return np.int64(0) if skip else offset
+
+
+def _bf16_value(bits: Any, exponent: Any) -> Any:
+    """A bf16's value in float64 (exact), from its bits and exponent field."""
+    significand = (bits & 0x7F) | (np.int64(exponent > 0) << 7)
+    return np.float64(significand - 2 * significand * ((bits >> 15) & 1)) * _SIGNIFICAND_SCALE[exponent]
+
+
+# A bf16 of exponent field e (1 for subnormals) is its signed 8-bit significand times 2**(e - 134).
+_SIGNIFICAND_SCALE = np.array([2.0 ** (max(e, 1) - 134) for e in range(256)])
+
+
+def _float_bits(value: Any) -> Any:
+    """A float64's bits as an int64 (numba: a bitcast)."""
+    return np.int64(np.float64(value).view(np.int64))
+
+
+def _float_bits_intrinsic() -> Any:
+    """numba's _float_bits: the float64 reinterpreted, one instruction."""
+    from llvmlite import ir
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def float_bits(typingctx: Any, value: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.IntType(64))
+
+        return numba.types.int64(numba.types.float64), codegen
+
+    return float_bits
 
 
 def _predicted_offsets(old: Any, reference_deltas: Any, out: Any) -> None:
@@ -1155,13 +1174,14 @@ if numba is not None:  # the kernels call these compiled, inlined
     _length_code = numba.njit(inline="always")(_length_code)
     _pack_bits = numba.njit(boundscheck=False)(_pack_bits)
     _rounded_prediction_offset = numba.njit(boundscheck=False)(_rounded_prediction_offset)
+    _bf16_value = numba.njit(inline="always", boundscheck=False)(_bf16_value)
     _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _new_bits = numba.njit(inline="always")(_new_bits)
     _by_class = numba.njit(inline="always")(_by_class)
     _gather_classes = numba.njit(boundscheck=False)(_gather_classes)
     _write_planes = numba.njit(boundscheck=False)(_write_planes)
-    _prefetch, _pointer = _prefetch_intrinsic(), _pointer_intrinsic()
+    _prefetch, _pointer, _float_bits = _prefetch_intrinsic(), _pointer_intrinsic(), _float_bits_intrinsic()
 apply_delta_2byte: Callable[..., None] | None = _njit(_apply_delta_2byte) if _njit else None
 decode_positions: Callable[[Any, int, Any, int, Any], int] | None = _njit(_decode_positions) if _njit else None
 count_escape_codes: Callable[[Any, int], int] | None = _njit(_count_escape_codes) if _njit else None
