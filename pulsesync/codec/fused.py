@@ -795,17 +795,12 @@ def _write_planes(
             if i + AHEAD < n:
                 _prefetch(chunk, positions[i + AHEAD])
             old = chunk[p]
-        z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
         if raw:  # new bits: how far they are from the old ones in value order (as bits.to_ordered_)
-            new, was = np.int32(np.int16(z)), np.int32(old)
+            new, was = np.int32(np.int16(np.int32(planes[j]) | (np.int32(planes[n + j]) << 8))), np.int32(old)
             delta = (new ^ ((new >> 15) & 0x7FFF)) - (was ^ ((was >> 15) & 0x7FFF))
         else:
-            delta = (z >> 1) ^ -(z & 1)
-            if fold and old < 0:
-                delta = -delta
-        if ref_deltas.size:
-            delta += _predicted_offset(old, ref_deltas[i]) if predicted else np.int32(ref_deltas[i])
-        delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
+            delta = _plane_delta(planes, n, j, old, fold)
+        delta = _with_reference(delta, old, ref_deltas[i] if ref_deltas.size else 0, predicted)
         new = _add_ordered(np.int32(old), delta)
         chunk[p] = new
         old_out[i] = old
@@ -813,6 +808,19 @@ def _write_planes(
             new_bits[i] = new
         deltas_out[i] = delta
     _add_lanes_of(lanes, positions, old_out, new_bits, first)
+
+
+def _plane_delta(planes: Any, n: int, j: Any, old: Any, fold: bool) -> Any:
+    """Value j of n in two byte planes, unzigzagged; negated where `fold` (EXP_CODES, PREDICTED_CODES) and old < 0."""
+    z = np.int32(planes[j]) | (np.int32(planes[n + j]) << 8)
+    delta = (z >> 1) ^ -(z & 1)
+    return -delta if fold and old < 0 else delta
+
+
+def _with_reference(delta: Any, old: Any, reference_delta: Any, predicted: bool) -> Any:
+    """A residual plus its reference delta (PREDICTED_CODES: the prediction's offset), as int16 (wrapping)."""
+    delta += _predicted_offset(old, reference_delta) if predicted else np.int32(reference_delta)
+    return ((delta + 32768) & 0xFFFF) - 32768
 
 
 def _merge_history(
@@ -1044,12 +1052,7 @@ def _apply_history_known(
         c = (np.int32(old) >> 7) & 0xFF
         v = next_in_class[c]
         next_in_class[c] += 1
-        z = np.int32(planes[v]) | (np.int32(planes[n + v]) << 8)
-        delta = (z >> 1) ^ -(z & 1)
-        if fold and old < 0:
-            delta = -delta
-        delta += _predicted_offset(old, reference_delta) if predicted else np.int32(reference_delta)
-        delta = ((delta + 32768) & 0xFFFF) - 32768  # int16, wrapping
+        delta = _with_reference(_plane_delta(planes, n, v, old, fold), old, reference_delta, predicted)
         new = _add_ordered(np.int32(old), delta)
         chunk[p] = new
         found[k] = p
@@ -1178,6 +1181,8 @@ if numba is not None:  # the kernels call these compiled, inlined
     _predicted_offset = numba.njit(inline="always")(_predicted_offset)
     _add_lanes_of = numba.njit(inline="always", boundscheck=False)(_add_lanes_of)
     _new_bits = numba.njit(inline="always")(_new_bits)
+    _plane_delta = numba.njit(inline="always", boundscheck=False)(_plane_delta)
+    _with_reference = numba.njit(inline="always")(_with_reference)
     _by_class = numba.njit(inline="always")(_by_class)
     _gather_classes = numba.njit(boundscheck=False)(_gather_classes)
     _write_planes = numba.njit(boundscheck=False)(_write_planes)
