@@ -88,7 +88,14 @@ class FileStore(Store):
 
         def read() -> bytes:
             with self._open(key) as f:
-                data = f.read() if max_size is None else f.read(max_size + 1)
+                if max_size is None:
+                    return f.read()
+                # As many bytes as the file holds (+1 to see it grew): read(n) allocates all n bytes
+                # first, and a follower's patch read ahead under a 4x bound took 1.1 ms instead of 0.1.
+                want = min(os.fstat(f.fileno()).st_size, max_size) + 1
+                data = f.read(want)
+                if len(data) == want <= max_size:  # it grew since: read on up to the bound
+                    data += f.read(max_size + 1 - want)
             if max_size is not None and len(data) > max_size:
                 raise oversized(f"get {self.url}{key}", max_size)
             return data
