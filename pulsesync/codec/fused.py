@@ -361,7 +361,7 @@ def _class_ordered_values(payloads: Any, at: int, n: int, extra_bytes: int, codi
     """A class-ordered record's values as stored (int16; CODES: not yet folded by sign), for _apply_history_known.
 
     Its writing pass reads each value once, at the class's next slot: one load of an int16 here, where
-    _value_planes' byte planes cost two loads and an unzigzag (25.8 -> 23.9 ms on one thread, the
+    _value_planes' byte planes cost two loads and an unzigzag (25.9 -> 23.8 ms on one thread, the
     0.62B step of bench/scale.py). A status as _value_code_planes'.
     """
     values = np.empty(n, np.int16)
