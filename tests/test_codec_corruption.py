@@ -387,22 +387,33 @@ def test_a_class_ordered_record_with_a_position_outside_its_chunk_writes_nothing
     assert not torch.equal(work["sparse"].view(torch.int16)[0:80:2], base["sparse"].view(torch.int16)[0:80:2])
 
 
-def _history_patch(base: dict, marked: int, fresh: list[int], count: int) -> tuple[bytes, PatchHistory]:
-    """A hand-made HISTORY record for 'sparse' against reference positions 10, 20, 30 (bitmap `marked`)."""
+def _history_patch(
+    base: dict, marked: int, fresh: list[int], count: int, held: bool = False
+) -> tuple[bytes, PatchHistory]:
+    """A hand-made HISTORY record for 'sparse' against reference positions 10, 20, 30 (bitmap `marked`).
+
+    held: class-ordered values (EXP_PLANES) against a reference that keeps the values it wrote, as
+    the batch kernel's history does, so the kernel takes its one-pass path (_apply_history_known).
+    """
     reference = PatchHistory("ab" * 32)
-    reference.chunks[("sparse", 0, 1024)] = ChunkHistory(np.array([10, 20, 30], np.int64), np.ones(3, np.int16))
+    positions, deltas = np.array([10, 20, 30], np.int64), np.ones(3, np.int16)
+    chunk = ChunkHistory(positions, deltas)
+    if held:  # the values the state holds there: what the reference patch wrote
+        values = base["sparse"].view(torch.int16).numpy()[positions].copy()
+        chunk = ChunkHistory(positions, deltas, (positions.ctypes.data, deltas.ctypes.data, values.ctypes.data), values)
+    reference.chunks[("sparse", 0, 1024)] = chunk
     codes, extra = encode_gap_codes(np.array(fresh, np.int64))
-    payload_raw = bytes([marked]) + codes.tobytes() + extra + bytes(2 * count)  # PLANES: every residual 0
+    payload_raw = bytes([marked]) + codes.tobytes() + extra + bytes(2 * count)  # every residual 0
     fields = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES, "ref_count": 3, "new_count": len(fresh)}
-    patch = _one_record_patch(
-        base, RecordKind.HISTORY, ValueCoding.PLANES, payload_raw, count, reference.sha256, **fields
-    )
+    coding = ValueCoding.EXP_PLANES if held else ValueCoding.PLANES
+    patch = _one_record_patch(base, RecordKind.HISTORY, coding, payload_raw, count, reference.sha256, **fields)
     return patch, reference
 
 
 @BOTH_KERNELS
+@pytest.mark.parametrize("held", [False, True], ids=["values-free", "held-values"])
 def test_history_records_that_contradict_their_reference_are_refused_with_one_message(
-    pair, kernels: bool, monkeypatch
+    pair, kernels: bool, held: bool, monkeypatch
 ) -> None:
     base, _ = pair
     monkeypatch.setattr(fused, "enabled", kernels)
@@ -411,12 +422,12 @@ def test_history_records_that_contradict_their_reference_are_refused_with_one_me
         (0b1000_0101, [5], 3, "does not mark 2 positions"),  # a padding bit set
         (0b101, [30], 3, "repeats one of the reference's"),  # 30 changed again, and is new
     ]:
-        patch, reference = _history_patch(base, marked, fresh, count)
+        patch, reference = _history_patch(base, marked, fresh, count, held)
         work = clone_state(base)
         with pytest.raises(CorruptPatchError, match=f"'sparse' at element 0: .*{match}"):
             apply_patch(work, patch, reference=reference)
         assert_states_equal(work, base)
-    patch, reference = _history_patch(base, 0b101, [5], 3)  # consistent: applied (deltas 1 at 10 and 30)
+    patch, reference = _history_patch(base, 0b101, [5], 3, held)  # consistent: applied (deltas 1 at 10 and 30)
     work = clone_state(base)
     with pytest.raises(IntegrityError, match="promises"):
         apply_patch(work, patch, reference=reference)
