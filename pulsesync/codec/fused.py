@@ -363,9 +363,9 @@ def _class_ordered_values(payloads: Any, at: int, n: int, extra_bytes: int, codi
     """
     values = np.empty(n, np.int16)
     if coding == _EXP_PLANES:
+        planes = payloads[at : at + 2 * n]
         for i in range(n):
-            z = np.int32(payloads[at + i]) | (np.int32(payloads[at + n + i]) << 8)
-            values[i] = (z >> 1) ^ -(z & 1)
+            values[i] = _plane_delta(planes, n, i, 0, False)
         return POSITIONS_OK, values
     status: int = _check_value_codes(payloads, at, n, extra_bytes)
     if status != POSITIONS_OK:
