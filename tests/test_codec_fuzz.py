@@ -31,7 +31,14 @@ from hypothesis import strategies as st
 
 from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, fused
 from pulsesync.codec.encoder import encode
-from pulsesync.codec.format import PatchHeader, RecordHeader, encode_header, encode_record_header, payload_hash
+from pulsesync.codec.format import (
+    PatchHeader,
+    PositionCoding,
+    RecordHeader,
+    encode_header,
+    encode_record_header,
+    payload_hash,
+)
 from pulsesync.codec.history import PatchHistory
 from pulsesync.codec.parse import decompress_payload
 from pulsesync.digest import StateDigest, state_digest
@@ -88,8 +95,10 @@ def targets() -> dict[str, Target]:
     params = CodecParams(chunk_elements=2048)
     first = encode(states[0], states[1], params)
     second = encode(states[1], states[2], params, reference=first.history)
-    kinds = {h.kind for h, _ in PatchDecoder().split(second.data)}
-    assert RecordKind.HISTORY in kinds and RecordKind.SPARSE in {h.kind for h, _ in PatchDecoder().split(first.data)}
+    # Each decoder path is met: positions by magnitude class (the first patch) and history-coded
+    # records with new positions coded as gaps (the second, whose values the kernel applies in one pass).
+    assert (RecordKind.SPARSE, PositionCoding.CLASS_MASKS) in _codings(first.data)
+    assert (RecordKind.HISTORY, PositionCoding.GAP_CODES) in _codings(second.data)
     # The subscriber's history of the first patch: the batch kernel's, which keeps the values it wrote.
     held = {n: t.clone() for n, t in states[0].items()}
     reference = PatchHistory(hashlib.sha256(first.data).hexdigest())
@@ -100,6 +109,11 @@ def targets() -> dict[str, Target]:
         "first": Target(first.data, states[0], digest0, None),
         "history": Target(second.data, states[1], digest1, reference),
     }
+
+
+def _codings(patch: bytes) -> set[tuple[RecordKind, PositionCoding]]:
+    """The (kind, position coding) pairs of a patch's records."""
+    return {(h.kind, h.positions) for h, _ in PatchDecoder().split(patch)}
 
 
 EDITS = ("set", "add", "swap")  # a byte set to a value; a value added to it (mod 256); swapped with another
