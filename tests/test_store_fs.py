@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pulsesync.errors import IntegrityError
 from pulsesync.store import FileStore, Store
 from pulsesync.store.memory import MemoryStore
 from pulsesync.store.testing import StoreConformance
@@ -55,3 +56,17 @@ async def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     await store.put("patches/000000000001/patch.bin", b"p")
     await store.delete_many(["patches/000000000001/patch.bin"])
     assert list((tmp_path / "root").iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux's /proc")
+async def test_a_bounded_get_reads_past_the_size_fstat_gave_up_to_its_bound() -> None:
+    # A bounded get reads the size fstat gives, +1 to see the file grew since, and then on up to the
+    # bound. A file that grows between fstat and read is a race; /proc files are regular files that
+    # fstat sizes at 0 and that read as their whole content, the same branch, deterministically.
+    proc = FileStore("/proc/self")
+    cmdline = Path("/proc/self/cmdline").read_bytes()
+    assert Path("/proc/self/cmdline").stat().st_size == 0 and len(cmdline) > 16
+    assert await proc.get("cmdline", max_size=len(cmdline)) == cmdline
+    assert await proc.get("cmdline", max_size=1 << 20) == cmdline
+    with pytest.raises(IntegrityError, match=f"larger than the expected {len(cmdline) - 1} bytes"):
+        await proc.get("cmdline", max_size=len(cmdline) - 1)
