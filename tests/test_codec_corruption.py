@@ -38,7 +38,14 @@ from pulsesync.codec.history import ChunkHistory, PatchHistory
 from pulsesync.digest import state_digest
 from pulsesync.dtypes import dtype_info
 from pulsesync.errors import CorruptPatchError, IntegrityError, UnsupportedVersionError
-from tests.support.helpers import assert_states_equal, clone_state, mutate, random_bits
+from tests.support.helpers import (
+    assemble_patch,
+    assert_states_equal,
+    clone_state,
+    mutate,
+    patch_records,
+    random_bits,
+)
 
 BF16 = dtype_info(torch.bfloat16)
 BOTH_KERNELS = pytest.mark.parametrize(  # numba's kernels (the batch kernel included), then numpy's path
@@ -71,25 +78,10 @@ def patch(pair) -> bytes:
     return encode_patch(*pair, CodecParams(chunk_elements=1024))
 
 
-def _records(patch: bytes) -> tuple[PatchHeader, list[tuple[RecordHeader, bytes]]]:
-    decoder = PatchDecoder()
-    records = [(h, bytes(p)) for h, p in decoder.split(patch)]
-    return decoder.finish(), records
-
-
-def _assemble(header: PatchHeader, records: list[tuple[RecordHeader, bytes]], end_count: int | None = None) -> bytes:
-    """Re-serialize a patch from (possibly lying) fields, with correct checksums."""
-    parts = [encode_header(header)]
-    parts += [encode_record_header(h) + payload for h, payload in records]
-    count = len(records) if end_count is None else end_count
-    parts.append(encode_record_header(RecordHeader(RecordKind.END, "", None, count=count)))
-    return b"".join(parts)
-
-
 def _lie(patch: bytes, name: str, **fields: object) -> bytes:
-    header, records = _records(patch)
+    header, records = patch_records(patch)
     records = [(h._replace(**fields) if h.name == name else h, p) for h, p in records]
-    return _assemble(header, records)
+    return assemble_patch(header, records)
 
 
 def _expect(error: type[Exception], base: dict, patch: bytes, match: str | None = None) -> None:
@@ -98,7 +90,7 @@ def _expect(error: type[Exception], base: dict, patch: bytes, match: str | None 
 
 
 def test_reassembly_is_faithful(pair, patch) -> None:
-    assert _assemble(*_records(patch)) == patch
+    assert assemble_patch(*patch_records(patch)) == patch
 
 
 def test_truncated_at_every_length_raises_and_leaves_state_untouched(pair, patch) -> None:
@@ -119,9 +111,9 @@ def test_a_header_that_misstates_its_changes_neither_sizes_the_buffers_nor_stops
     rng = np.random.default_rng(4)
     base = {f"layer{i}": random_bits(rng, BF16, (4096,)) for i in range(8)}
     new = {n: mutate(rng, t, 0.05) for n, t in base.items()}
-    header, records = _records(encode_patch(base, new, CodecParams(chunk_elements=1024)))
+    header, records = patch_records(encode_patch(base, new, CodecParams(chunk_elements=1024)))
     work = clone_state(base)
-    apply_patch(work, _assemble(header.model_copy(update={"changed_elements": declared}), records), threads=2)
+    apply_patch(work, assemble_patch(header.model_copy(update={"changed_elements": declared}), records), threads=2)
     assert_states_equal(work, new)
 
 
@@ -133,7 +125,7 @@ def test_a_patch_cut_short_after_its_first_runs_were_applied_is_rolled_back_exac
     rng = np.random.default_rng(3)
     base = {f"layer{i}": random_bits(rng, BF16, (4096,)) for i in range(16)}
     patch = encode_patch(base, {n: mutate(rng, t, 0.05) for n, t in base.items()}, CodecParams(chunk_elements=1024))
-    header, records = _records(patch)
+    header, records = patch_records(patch)
     ends = len(encode_header(header)) + np.cumsum([len(encode_record_header(h)) + len(p) for h, p in records])
     written_before_error = 0
     for cut in [*ends[-8:], len(patch) - 1]:  # after a whole record (the end record missing), or inside the end
@@ -206,7 +198,7 @@ def test_record_field_lies(pair, patch, fields: dict, match: str) -> None:
 
 
 def test_consistent_size_lie_is_caught_by_the_frame(pair, patch) -> None:
-    header, records = _records(patch)
+    header, records = patch_records(patch)
     # count, raw_len and the header total agree with each other, not with the zstd frame's content.
     lied = []
     for h, p in records:
@@ -216,23 +208,23 @@ def test_consistent_size_lie_is_caught_by_the_frame(pair, patch) -> None:
             header = header.model_copy(update={"decoded_bytes": header.decoded_bytes + raw_len - h.raw_len})
             h = h._replace(count=count, raw_len=raw_len)
         lied.append((h, p))
-    _expect(CorruptPatchError, pair[0], _assemble(header, lied), "frame declares")
+    _expect(CorruptPatchError, pair[0], assemble_patch(header, lied), "frame declares")
 
 
 def test_huge_declared_tensor_is_refused_before_allocation(pair, patch) -> None:
     base, _ = pair
-    header, records = _records(patch)
+    header, records = patch_records(patch)
     numel = 1 << 40  # 4 TiB of int32 if anyone believed it
     records = [
         (h._replace(shape=(numel,), length=numel, count=numel, raw_len=4 * numel), p) if h.name == "added" else (h, p)
         for h, p in records
     ]
     # First with the header's honest total: the record exceeds the patch's declared decoded bytes.
-    _expect(CorruptPatchError, base, _assemble(header, records), "exceeds the patch's declared")
+    _expect(CorruptPatchError, base, assemble_patch(header, records), "exceeds the patch's declared")
     # Then with a header that lies too: the zstd frame's real content size gives it away.
     liar = header.model_copy(update={"decoded_bytes": header.decoded_bytes + 4 * numel})
     tracemalloc.start()
-    _expect(CorruptPatchError, base, _assemble(liar, records), "frame declares")
+    _expect(CorruptPatchError, base, assemble_patch(liar, records), "frame declares")
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 2 * header.decoded_bytes + (1 << 20)  # nothing near the claimed size was allocated
@@ -245,14 +237,14 @@ def test_max_decoded_bytes_limit(pair, patch) -> None:
 
 def test_record_count_and_order_lies(pair, patch) -> None:
     base, _ = pair
-    header, records = _records(patch)
-    _expect(CorruptPatchError, base, _assemble(header, records, end_count=len(records) + 1), "end record counts")
-    _expect(CorruptPatchError, base, _assemble(header, records[:-1]), "end record counts")
+    header, records = patch_records(patch)
+    _expect(CorruptPatchError, base, assemble_patch(header, records, end_count=len(records) + 1), "end record counts")
+    _expect(CorruptPatchError, base, assemble_patch(header, records[:-1]), "end record counts")
     swapped = [records[1], records[0], *records[2:]]
-    _expect(CorruptPatchError, base, _assemble(header, swapped), "out of order")
+    _expect(CorruptPatchError, base, assemble_patch(header, swapped), "out of order")
     duplicated = [records[0], *records]
     more = header.model_copy(update={"records": header.records + 1, "decoded_bytes": 2 * header.decoded_bytes})
-    _expect(CorruptPatchError, base, _assemble(more, duplicated), "out of order")
+    _expect(CorruptPatchError, base, assemble_patch(more, duplicated), "out of order")
 
 
 def _one_record_patch(
@@ -284,7 +276,7 @@ def _one_record_patch(
         dense_bytes=0,
         reference_sha256=reference,
     )
-    return _assemble(header, [(h, payload)])
+    return assemble_patch(header, [(h, payload)])
 
 
 def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int = 1024) -> bytes:
@@ -524,18 +516,18 @@ def test_wrong_base_is_refused_before_writing(pair, patch) -> None:
 
 
 def test_result_digest_mismatch(pair, patch) -> None:
-    header, records = _records(patch)
+    header, records = patch_records(patch)
     wrong = header.model_copy(update={"state_digest": "f" * 32})
-    _expect(IntegrityError, pair[0], _assemble(wrong, records), "promises")
+    _expect(IntegrityError, pair[0], assemble_patch(wrong, records), "promises")
 
 
 def test_undo_log_restores_a_state_whose_patch_failed_after_writing(pair, patch) -> None:
     base, _ = pair
-    header, records = _records(patch)
+    header, records = patch_records(patch)
     wrong = header.model_copy(update={"state_digest": "f" * 32})  # fails only after every record is applied
     work, undo = clone_state(base), UndoLog()
     with pytest.raises(IntegrityError, match="promises"):
-        apply_patch(work, _assemble(wrong, records), undo=undo)
+        apply_patch(work, assemble_patch(wrong, records), undo=undo)
     assert undo.chunks and not torch.equal(work["sparse"].view(torch.int16), base["sparse"].view(torch.int16))
     undo.rollback(work)
     assert_states_equal(work, base)

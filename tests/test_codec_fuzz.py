@@ -32,11 +32,8 @@ from hypothesis import strategies as st
 from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, fused
 from pulsesync.codec.encoder import encode
 from pulsesync.codec.format import (
-    PatchHeader,
     PositionCoding,
     RecordHeader,
-    encode_header,
-    encode_record_header,
     payload_hash,
 )
 from pulsesync.codec.history import PatchHistory
@@ -44,6 +41,7 @@ from pulsesync.codec.parse import decompress_payload
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import PulseSyncError
 from pulsesync.synthetic import real_like_trainer
+from tests.support.helpers import assemble_patch, patch_records
 
 pytestmark = pytest.mark.skipif(fused.apply_batch is None, reason="no numba: only one decoder to compare")
 
@@ -125,9 +123,7 @@ def _reframed(patch: bytes, index: int, edits: list[tuple[str, int, int]]) -> by
 
     A swap keeps the payload's multiset of bytes (of codes, of value symbols), so the counts a
     decoder checks first still hold and the edit reaches its later checks and its writes."""
-    decoder = PatchDecoder()
-    records = [(h, bytes(p)) for h, p in decoder.split(patch)]
-    header: PatchHeader = decoder.finish()
+    header, records = patch_records(patch)
     h, compressed = records[index % len(records)]
     raw = bytearray(decompress_payload(h, compressed))
     for edit, offset, value in edits:
@@ -142,9 +138,7 @@ def _reframed(patch: bytes, index: int, edits: list[tuple[str, int, int]]) -> by
     payload = zstandard.ZstdCompressor(level=1).compress(bytes(raw))
     edited: RecordHeader = h._replace(comp_len=len(payload), payload_hash=payload_hash(payload))
     records[index % len(records)] = (edited, payload)
-    parts = [encode_header(header), *(encode_record_header(r) + p for r, p in records)]
-    parts.append(encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records))))
-    return b"".join(parts)
+    return assemble_patch(header, records)
 
 
 def _outcome(target: Target, patch: bytes, kernels: bool, threads: int) -> tuple[str, dict[str, torch.Tensor]]:

@@ -11,6 +11,8 @@ import torch
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from pulsesync.codec import PatchDecoder, RecordKind
+from pulsesync.codec.format import PatchHeader, RecordHeader, encode_header, encode_record_header
 from pulsesync.dtypes import DTYPES, NP_INT_OF_WIDTH, DTypeInfo
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
@@ -161,3 +163,21 @@ def write_checkpoint(path: Path, state: dict[str, torch.Tensor], files: dict[str
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     for name, text in (files or {}).items():
         (path / name).write_text(text)
+
+
+def patch_records(patch: bytes) -> tuple[PatchHeader, list[tuple[RecordHeader, bytes]]]:
+    """A patch's header and its records as (header, compressed payload)."""
+    decoder = PatchDecoder()
+    records = [(h, bytes(p)) for h, p in decoder.split(patch)]
+    return decoder.finish(), records
+
+
+def assemble_patch(
+    header: PatchHeader, records: list[tuple[RecordHeader, bytes]], end_count: int | None = None
+) -> bytes:
+    """Re-serialize a patch from (possibly lying) fields, with correct checksums."""
+    parts = [encode_header(header)]
+    parts += [encode_record_header(h) + payload for h, payload in records]
+    count = len(records) if end_count is None else end_count
+    parts.append(encode_record_header(RecordHeader(RecordKind.END, "", None, count=count)))
+    return b"".join(parts)
