@@ -498,8 +498,9 @@ def _apply_records(
     for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part
         apply_record(record, state, device, undo)
         rehash(record.name)
-    for name in batched:  # (a tensor with records of both kinds was re-hashed after its last one above)
-        rehash(name)
+    if verify and not incremental:  # (an incremental digest re-hashes nothing: ~300 names a step)
+        for name in batched:  # (a tensor with records of both kinds was re-hashed after its last one above)
+            rehash(name)
     return moved, whole_records, rehashed
 
 
