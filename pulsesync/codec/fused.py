@@ -55,6 +55,15 @@ except ImportError:  # pragma: no cover - exercised where numba is not installed
     numba = None  # type: ignore[assignment]
 
 
+def _element_address(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    """In an intrinsic's codegen for (array, index) arguments: the element's address (no wraparound)."""
+    from numba.core import cgutils
+
+    array_type = signature.args[0]
+    array = context.make_array(array_type)(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, array_type, array, [args[1]])  # type: ignore[no-untyped-call]
+
+
 def _prefetch_intrinsic() -> Any:
     """numba's prefetch(chunk, index): llvm.prefetch of the element's address, for writing, into every cache level."""
     from llvmlite import binding, ir
@@ -67,9 +76,7 @@ def _prefetch_intrinsic() -> Any:
     @intrinsic
     def prefetch(typingctx: Any, chunk: Any, index: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            array_type = signature.args[0]
-            array = context.make_array(array_type)(context, builder, args[0])
-            address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1]])  # type: ignore[no-untyped-call]
+            address = _element_address(context, builder, signature, args)
             i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
             fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
                 builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name
@@ -92,15 +99,12 @@ def _load_le64_intrinsic() -> Any:
     """numba's _load_le64: one load of 8 bytes at any address, where five byte loads and their shifts took
     a third of a bit reader's time (byte-swapped on a big-endian host)."""
     from llvmlite import ir
-    from numba.core import cgutils
     from numba.extending import intrinsic
 
     @intrinsic
     def load_le64(typingctx: Any, payloads: Any, j: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            array_type = signature.args[0]
-            array = context.make_array(array_type)(context, builder, args[0])
-            address = cgutils.get_item_pointer(context, builder, array_type, array, [args[1]])  # type: ignore[no-untyped-call]
+            address = _element_address(context, builder, signature, args)
             i64 = ir.IntType(64)
             value = builder.load(builder.bitcast(address, i64.as_pointer()), align=1)
             if sys.byteorder == "big":
