@@ -475,9 +475,10 @@ def _apply_records(
         return None, lanes
 
     rehashed: dict[str, Future[TensorDigest]] = {}
+    rehashing = verify and not incremental  # an incremental digest re-hashes nothing
 
     def rehash(name: str) -> None:
-        if verify and not incremental and name in state and name not in rehashed:
+        if rehashing and name in state and name not in rehashed:
             rehashed[name] = submit_beside(tensor_digest, state[name], algorithm)
 
     device = _state_device(state)
@@ -498,7 +499,7 @@ def _apply_records(
     for record in whole_records:  # whole-tensor records change the dict itself: after the concurrent part
         apply_record(record, state, device, undo)
         rehash(record.name)
-    if verify and not incremental:  # (an incremental digest re-hashes nothing: ~300 names a step)
+    if rehashing:  # (else ~300 calls a step that do nothing, on the serial tail)
         for name in batched:  # (a tensor with records of both kinds was re-hashed after its last one above)
             rehash(name)
     return moved, whole_records, rehashed
