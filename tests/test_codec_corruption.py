@@ -507,6 +507,39 @@ def test_value_codes_that_do_not_match_their_stream_are_refused(pair, kernels: b
     assert in_class_order.tolist() == [1, -((4 + 1) << 7 | 5)]
 
 
+@BOTH_KERNELS
+@pytest.mark.parametrize("coding", [ValueCoding.DELTA, ValueCoding.EXP_CODES])
+def test_gap_codes_that_do_not_match_their_stream_are_refused(
+    pair, kernels: bool, coding: ValueCoding, monkeypatch
+) -> None:
+    """The gap-code check (branch-free in the kernel) on the batch's two readers: DELTA records and
+    the records whose positions are decoded before their values (EXP_CODES)."""
+    base, _ = pair
+    monkeypatch.setattr(fused, "enabled", kernels)
+    values = bytes(1) if coding == ValueCoding.DELTA else bytes([2, 2])  # two values, every one small
+
+    def patch(codes: bytes, extra: bytes) -> bytes:
+        fields = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES}
+        return _one_record_patch(base, RecordKind.SPARSE, coding, codes + extra + values, 2, **fields)
+
+    big = 8 + 4 * (10 - 4) + 1  # a gap of 10 bits: 7 extra bits
+    for codes, extra, match in [
+        (bytes([0, 255]), b"", "a position gap code is above 123"),
+        (bytes([0, big]), b"", "the extra-bits stream does not match the gap codes"),  # its 7 bits missing
+        (bytes([0, big]), b"\x80", "the extra-bits stream does not match the gap codes"),  # a padding bit set
+        (bytes([0, 2]), b"\x00", "the extra-bits stream does not match the gap codes"),  # a byte too many
+    ]:
+        work = clone_state(base)
+        with pytest.raises(CorruptPatchError, match=f"'sparse' at element 0: {match}"):
+            apply_patch(work, patch(codes, extra))
+        assert_states_equal(work, base)
+    work = clone_state(base)  # consistent: positions 0 and 0 + 1 + ((4 + 1) << 7 | 5) = 646
+    with pytest.raises(IntegrityError, match="promises"):
+        apply_patch(work, patch(bytes([0, big]), b"\x05"))
+    changed = torch.nonzero(work["sparse"].view(torch.int16) != base["sparse"].view(torch.int16)).flatten()
+    assert changed.tolist() == [0, 646]
+
+
 def test_wrong_base_is_refused_before_writing(pair, patch) -> None:
     base, _ = pair
     other = clone_state(base)
