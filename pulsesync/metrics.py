@@ -89,6 +89,12 @@ ROLLOUT_RETRIES = Counter(
 
 # --- store ---------------------------------------------------------------------------------------
 STORE_RETRIES = Counter("pulsesync_store_retries_total", "Store calls retried after a transient error", ["op"])
+STORE_FOLDERS_SKIPPED = Counter(
+    "pulsesync_store_folders_skipped_total", "Folders a file store listing could not read and passed over"
+)
+STORE_UNEXPECTED_ERRORS = Counter(
+    "pulsesync_store_unexpected_errors_total", "Store calls that raised an exception of no known kind (logged)", ["op"]
+)
 STORE_DELETES_REFUSED = Counter(
     "pulsesync_store_deletes_refused_total", "Keys a file store would not delete: their folder leads outside its root"
 )

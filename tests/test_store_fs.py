@@ -3,20 +3,47 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pulsesync.errors import IntegrityError
+from pulsesync import metrics
+from pulsesync.errors import IntegrityError, StoreError
 from pulsesync.store import FileStore, Store
 from pulsesync.store.memory import MemoryStore
 from pulsesync.store.testing import StoreConformance
+from tests.support.hostile import deep_folder, remove_deep_folder
 
 
 class TestFileStore(StoreConformance):
     @pytest.fixture
-    def store(self, tmp_path: Path) -> Store:
-        return FileStore(tmp_path / "store")
+    def store(self, tmp_path: Path) -> Iterator[Store]:
+        self.deep: list[Path] = []
+        yield FileStore(tmp_path / "store")
+        for top in self.deep:  # pytest's own cleanup recurses once per level on Python 3.11
+            remove_deep_folder(top)
+
+    async def raw_hostile_tree(self, store: Store, folder: str) -> list[str]:
+        """Past the recursion limit, a symlink loop, a FIFO, symlinks to files and nowhere, an unreadable folder."""
+        assert isinstance(store, FileStore)
+        base = store.root / folder
+        bottom = deep_folder(base / "d", 1100)
+        self.deep.append(base / "d")
+        (base / "d" / "d" / "x").write_bytes(b"shallow enough to be a key")
+        (bottom / "x").write_bytes(b"no key is this long")
+        (base / "loop").mkdir()
+        os.symlink("..", base / "loop" / "up")
+        os.mkfifo(base / "fifo")
+        os.symlink(base / "d" / "d" / "x", base / "link")
+        os.symlink(base / "nowhere", base / "dangling")
+        (base / "locked").mkdir()
+        (base / "locked" / "x").write_bytes(b"behind a folder mode 000")
+        os.chmod(base / "locked", 0)
+        readable = os.access(base / "locked", os.R_OK | os.X_OK)  # root reads it anyway
+        return [f"{folder}d/d/x", *([f"{folder}locked/x"] if readable else [])]
 
     async def raw_put(self, store: Store, key: str, data: bytes) -> None:
         assert isinstance(store, FileStore)
@@ -70,3 +97,49 @@ async def test_a_bounded_get_reads_past_the_size_fstat_gave_up_to_its_bound() ->
     assert await proc.get("cmdline", max_size=1 << 20) == cmdline
     with pytest.raises(IntegrityError, match=f"larger than the expected {len(cmdline) - 1} bytes"):
         await proc.get("cmdline", max_size=len(cmdline) - 1)
+
+
+async def test_a_folder_the_listing_cannot_read_is_skipped_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Root reads a folder of mode 000 anyway, so the refusal an ordinary user gets is injected.
+    store = FileStore(tmp_path)
+    await store.put("fleet/a.json", b"a")
+    await store.put("fleet/locked/b.json", b"b")
+    scandir = os.scandir
+
+    def refusing(path: Any) -> Any:
+        if Path(path).name == "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    before = metrics.STORE_FOLDERS_SKIPPED._value.get()
+    assert [o.key async for o in store.list("fleet/")] == ["fleet/a.json"]
+    assert metrics.STORE_FOLDERS_SKIPPED._value.get() == before + 1
+
+
+async def test_a_listing_past_its_entry_bound_is_a_store_error(tmp_path: Path) -> None:
+    store = FileStore(tmp_path, max_list_entries=50)
+    for i in range(30):
+        await store.put(f"fleet/{i:02d}.json", b"x")
+    assert len([o async for o in store.list("fleet/")]) == 30
+    for i in range(30):
+        await store.put(f"fleet/more/{i:02d}.json", b"x")
+    with pytest.raises(StoreError, match="more than 50 entries"):
+        _ = [o async for o in store.list("fleet/")]
+
+
+async def test_an_unexpected_exception_in_a_file_store_call_is_a_counted_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileStore(tmp_path)
+
+    def broken(*args: Any) -> Any:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(store, "_list_sync", broken)
+    before = metrics.STORE_UNEXPECTED_ERRORS.labels("list")._value.get()
+    with pytest.raises(StoreError, match="RecursionError"):
+        _ = [o async for o in store.list("ready/")]
+    assert metrics.STORE_UNEXPECTED_ERRORS.labels("list")._value.get() == before + 1

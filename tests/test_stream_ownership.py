@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from safetensors.torch import load_file
 from pulsesync.cli import main
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.manifest import parse_manifest
+from tests.support.daemons import wait_for_health
 from tests.support.helpers import assert_states_equal, trainer_states, write_checkpoint
 from tests.support.servers import BUCKET, free_port
 
@@ -269,21 +269,3 @@ def test_the_subscribe_daemon_keeps_its_cached_stream_and_follows_it(
         out = daemon.communicate(timeout=30)[0].decode()
     assert daemon.returncode == 0, out[-3000:]
     assert "discarding the state cache" not in out, out[-3000:]
-
-
-def wait_for_health(port: int, proc: subprocess.Popen[bytes], ok: Any, seconds: float = 60) -> dict[str, Any]:
-    """Poll the daemon's /healthz until ok(details); fail with its output if it exits or times out."""
-    deadline = time.monotonic() + seconds
-    last: dict[str, Any] = {}
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as reply:
-                last = json.loads(reply.read())
-        except OSError as e:  # not serving yet, or 503 (urllib raises HTTPError, an OSError)
-            body = getattr(e, "read", None)
-            last = json.loads(body()) if body is not None else last
-        if last and ok(last):
-            return last
-        time.sleep(0.1)
-    proc.terminate()
-    raise AssertionError(f"daemon: {last}; output: {proc.communicate(timeout=30)[0].decode()[-3000:]}")

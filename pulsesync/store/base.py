@@ -41,13 +41,25 @@ class TransferResult:
     sha256: str
 
 
+MAX_KEY_BYTES = 1024  # S3's limit on a key's UTF-8 length
+
+
 def check_key(key: str) -> str:
     """Reject keys that could escape the prefix or alias another key; returns the key."""
     if any(part in ("", ".", "..") for part in key.split("/")):  # also "", "/abs" and "dir/"
         raise StoreError(f"invalid key {key!r}: keys are relative, '/'-separated, without '.' or '..' segments")
-    if not key.isprintable() or len(key.encode("utf-8", "surrogatepass")) > 1024:  # NUL, newlines, lone surrogates
+    if not key.isprintable() or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:  # NUL, newlines, surrogates
         raise StoreError(f"invalid key {key[:200]!r}: control characters, lone surrogates or over 1024 bytes")
     return key
+
+
+def is_key(key: str) -> bool:
+    """Whether check_key accepts a key."""
+    try:
+        check_key(key)
+    except StoreError:
+        return False
+    return True
 
 
 class Store(ABC):

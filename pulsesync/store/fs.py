@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -20,13 +21,14 @@ from typing import BinaryIO, ParamSpec, TypeVar
 from pulsesync import metrics
 from pulsesync.atomic_files import TEMP_MARK, write_file
 from pulsesync.deadlines import within
-from pulsesync.errors import ConflictError, NotFoundError, StoreError
+from pulsesync.errors import ConflictError, NotFoundError, PulseSyncError, StoreError
 from pulsesync.store.base import (
     ObjectInfo,
     Store,
     TransferResult,
     check_key,
     check_size,
+    is_key,
     oversized,
     write_atomically,
 )
@@ -45,8 +47,9 @@ def _mtime(st: os.stat_result) -> dt.datetime:
 class FileStore(Store):
     """Objects as files under a root directory; keys map to relative paths."""
 
-    def __init__(self, root: Path | str, timeout: float = 300.0) -> None:
+    def __init__(self, root: Path | str, timeout: float = 300.0, max_list_entries: int = 10_000_000) -> None:
         self.root = Path(root).absolute()
+        self.max_list_entries = max_list_entries
         self._real_root = Path(os.path.realpath(self.root))
         self.url = self.root.as_uri() + "/"
         self.timeout = timeout
@@ -80,6 +83,10 @@ class FileStore(Store):
         except OSError as e:
             if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink; listings skip these too
                 raise NotFoundError(f"{op} {self.url}{key}: a symlink, so no object") from None
+            raise translate_error(e, op, f"{self.url}{key}") from e
+        except PulseSyncError:
+            raise
+        except Exception as e:  # a bug or a tree shape nobody foresaw: a store error, never a dead daemon
             raise translate_error(e, op, f"{self.url}{key}") from e
 
     # --- reads ---------------------------------------------------------------------------------
@@ -131,28 +138,55 @@ class FileStore(Store):
         return ObjectInfo(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}", _mtime(st))
 
     def _list_sync(self, prefix: str, start_after: str | None) -> list[ObjectInfo]:
-        # Walk only the directory the prefix points into; sort keys as strings (S3 order).
-        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        """Every object under prefix, walked without recursion and only where a key can be.
+
+        The tree is untrusted: anyone who can write to the directory can nest folders past any
+        recursion limit, loop symlinks, or leave FIFOs. A folder is entered only if keys under it can
+        match the prefix and are short enough to be keys (check_key's byte bound caps the depth);
+        symlinks are never followed; a folder that cannot be read is skipped, logged and counted; more
+        than max_list_entries entries seen is a StoreError, not unbounded work.
+        """
+        folder, _, _ = prefix.rpartition("/")
         found = []
-        for dirpath, _dirs, files in os.walk(base):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            for name in files:
-                if TEMP_MARK in name:
+        pending = [(self.root / folder, f"{folder}/" if folder else "")]
+        seen = 0
+        while pending:
+            path, rel = pending.pop()
+            try:
+                with os.scandir(path) as entries:
+                    listing = list(itertools.islice(entries, self.max_list_entries - seen + 1))
+            except (FileNotFoundError, NotADirectoryError):  # removed while listing, or the prefix names a file
+                continue
+            except OSError as e:
+                metrics.STORE_FOLDERS_SKIPPED.inc()
+                log.warning("list %s%s: folder %s skipped (%s)", self.url, prefix, rel or ".", e)
+                continue
+            seen += len(listing)
+            if seen > self.max_list_entries:
+                raise StoreError(f"list {self.url}{prefix}: more than {self.max_list_entries} entries; refused")
+            for entry in listing:
+                key = rel + entry.name
+                if TEMP_MARK in entry.name or not is_key(key):
                     continue
-                key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-                if key.startswith(prefix) and (start_after is None or key > start_after):
-                    try:
-                        st = os.lstat(os.path.join(dirpath, name))
-                    except FileNotFoundError:  # deleted while listing
-                        continue
-                    if stat.S_ISREG(st.st_mode):  # a symlink, FIFO or device is no object
-                        found.append(ObjectInfo(key, st.st_size, last_modified=_mtime(st)))
+                if entry.is_dir(follow_symlinks=False):
+                    below = key + "/"
+                    if below.startswith(prefix) or prefix.startswith(below):
+                        pending.append((Path(entry.path), below))
+                    continue
+                if not key.startswith(prefix) or (start_after is not None and key <= start_after):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                if stat.S_ISREG(st.st_mode):  # a symlink, FIFO or device is no object
+                    found.append(ObjectInfo(key, st.st_size, last_modified=_mtime(st)))
         found.sort(key=lambda o: o.key)
         return found
 
     async def list(self, prefix: str = "", start_after: str | None = None) -> AsyncIterator[ObjectInfo]:
         """Every key under prefix after start_after, lexicographic."""
-        for info in await asyncio.to_thread(self._list_sync, prefix, start_after):
+        for info in await self._io("list", prefix, self._list_sync, prefix, start_after):
             yield info
 
     # --- writes --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from tenacity.wait import wait_exponential_jitter
 
 from pulsesync.deadlines import within
 from pulsesync.errors import AccessDeniedError, ConflictError, NotFoundError, PulseSyncError, StoreError
-from pulsesync.metrics import STORE_RETRIES
+from pulsesync.metrics import STORE_RETRIES, STORE_UNEXPECTED_ERRORS
 
 log = logging.getLogger("pulsesync.store")
 T = TypeVar("T")
@@ -106,8 +106,12 @@ def translate_error(e: BaseException, op: str, target: str) -> PulseSyncError:
         return NotFoundError(f"{op} {target}: no such object")
     if isinstance(e, PermissionError):
         return AccessDeniedError(f"{op} {target}: permission denied")
-    kind = "gave up after retries: " if is_transient(e) else ""
-    return StoreError(f"{op} {target}: {kind}{type(e).__name__}: {e}")
+    if is_transient(e):
+        return StoreError(f"{op} {target}: gave up after retries: {type(e).__name__}: {e}")
+    if not isinstance(e, OSError):  # a bug or a reply nobody foresaw: counted and logged whole, then a store error
+        STORE_UNEXPECTED_ERRORS.labels(op).inc()
+        log.error("%s %s: unexpected %s", op, target, type(e).__name__, exc_info=e)
+    return StoreError(f"{op} {target}: {type(e).__name__}: {e}")
 
 
 def _log_retry(op: str, target: str) -> Callable[[RetryCallState], None]:

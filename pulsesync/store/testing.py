@@ -18,6 +18,7 @@ import pytest
 
 from pulsesync.errors import ConflictError, IntegrityError, NotFoundError, StoreError
 from pulsesync.store import Store, TransferProgress
+from pulsesync.store.base import MAX_KEY_BYTES
 
 
 async def _keys(store: Store, prefix: str = "", start_after: str | None = None) -> list[str]:
@@ -40,6 +41,17 @@ class StoreConformance:
     async def raw_get(self, store: Store, key: str) -> bytes | None:
         """Read an object without going through `store`; None if absent."""
         raise NotImplementedError
+
+    async def raw_hostile_tree(self, store: Store, folder: str) -> list[str]:
+        """Hostile shapes under `folder`, made without the store; returns the keys among them a listing shows.
+
+        The default, for flat key spaces: a key of one-letter segments nearly as deep as keys go (room
+        left for the backend's own prefix). Backends with real folders override it with what their
+        storage can hold besides.
+        """
+        deep = folder + "d/" * ((MAX_KEY_BYTES - 256 - len(folder)) // 2) + "x"
+        await self.raw_put(store, deep, b"deep")
+        return [deep]
 
     async def test_reads_see_objects_written_around_the_store(self, store: Store) -> None:
         await self.raw_put(store, "raw/a.bin", b"written directly")
@@ -152,6 +164,22 @@ class StoreConformance:
         now = dt.datetime.now(dt.timezone.utc)
         for info in [o async for o in store.list()] + [await store.head(keys[0])]:
             assert info.last_modified is not None and abs((now - info.last_modified).total_seconds()) < 120
+
+    async def test_hostile_tree_shapes_do_not_stop_a_listing(self, store: Store) -> None:
+        """Junk shapes under the folders every role lists (deep, looping, not files) leave listings whole."""
+        legit = ["ready/000000000001.json", "fleet/sub-a.json", "patches/000000000001/patch-r.bin", "pointer"]
+        shown = {}
+        for folder in ("ready/", "fleet/", "patches/"):
+            shown[folder] = await self.raw_hostile_tree(store, folder)
+        for key in legit:
+            await store.put(key, key.encode())
+        for folder, extra in shown.items():
+            assert await _keys(store, folder) == sorted([k for k in legit if k.startswith(folder)] + extra)
+            assert await _keys(store, folder, start_after=max(extra)) == [k for k in legit if k.startswith(folder) and k > max(extra)]
+        everything = await _keys(store)
+        assert everything == sorted(legit + [k for extra in shown.values() for k in extra])
+        for key in everything:  # every key a listing shows is an object that reads back
+            assert await store.get(key) == (key.encode() if key in legit else await self.raw_get(store, key))
 
     async def test_list_paginates_past_1000(self, store: Store) -> None:
         keys = [f"many/{i:05d}" for i in range(1100)]
