@@ -39,6 +39,12 @@ class NotFoundError(StoreError):
     exit_code = 5
 
 
+class NothingPublishedError(NotFoundError):
+    """The prefix holds no ready step yet: the normal start of a run (a daemon waits; `--once` exits with it)."""
+
+    exit_code = 22
+
+
 class ConflictError(StoreError):
     """A key that must not exist does (put-if-absent lost, step already published)."""
 
@@ -135,6 +141,7 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     StoreError,
     AccessDeniedError,
     NotFoundError,
+    NothingPublishedError,
     ConflictError,
     IntegrityError,
     CorruptPatchError,

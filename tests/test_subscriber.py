@@ -31,12 +31,14 @@ from pulsesync.errors import (
     StoreError,
     UnknownKeyError,
 )
-from pulsesync.protocol import layout
+from pulsesync.protocol import layout, signing
 from pulsesync.protocol.manifest import ObjectRef, PatchManifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig
 from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
+from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.fault_proxy import FaultProxy
 from tests.support.helpers import assert_states_equal, flip_byte, trainer_states
 from tests.support.recording_store import RecordingStore
@@ -181,12 +183,26 @@ async def test_a_sink_failure_on_the_fast_path_rolls_the_state_back(
     assert_serving(sub, 8)
 
 
-async def test_a_corrupted_anchor_shard_is_never_served(
+async def test_a_corrupted_newest_anchor_is_passed_for_the_anchor_before_it(
     store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
 ) -> None:
+    """A damaged newest anchor does not block cold starts until the next one: anchor 0 + patches 1-7 serve."""
     anchor = json.loads(await store.get(layout.ready_key(5, "anchor")))
     shard = next(o["key"] for o in anchor["objects"] if o["key"].endswith(".safetensors"))
     await damage_object(store, shard, flip_byte)
+    sub = subscriber(store, key)
+    result = await sub.sync(7)
+    assert (result.step, result.path) == (7, "slow")
+    assert_serving(sub, 7)
+
+
+async def test_corrupted_anchors_are_never_served(
+    store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
+) -> None:
+    for step in (0, 5):
+        anchor = json.loads(await store.get(layout.ready_key(step, "anchor")))
+        shard = next(o["key"] for o in anchor["objects"] if o["key"].endswith(".safetensors"))
+        await damage_object(store, shard, flip_byte)
     sub = subscriber(store, key)
     with pytest.raises(IntegrityError, match="SHA-256"):
         await sub.sync(7)
@@ -271,6 +287,36 @@ async def test_store_unreachable_for_30s_then_back(moto_endpoint: str, key: Ed25
         await pub.close()
         await through_proxy.close()
         await proxy.stop()
+
+
+async def test_a_daemon_started_before_the_first_publish_waits_at_its_poll_interval(
+    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An empty prefix is the normal start of a run: one INFO line, polls every poll_seconds, no backoff."""
+    store = FileStore(tmp_path / "store")
+    config = SubscriberConfig(poll_seconds=0.2)  # the default backoff: 1 s doubling to 60 s on failures
+    sub = Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]))
+    stop = asyncio.Event()
+    caplog.set_level("INFO", logger="pulsesync")
+    daemon = asyncio.create_task(sub.run(stop))
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=5), store=store, signing_key=key)
+    try:
+        await asyncio.sleep(4)  # the backoff would be at 1 + 2 s by now, waiting 4 s more
+        assert sub.status.consecutive_failures == 0 and sub.status.last_error is None
+        await pub.start()
+        await publish(pub, range(1))
+        published = time.monotonic()
+        while sub.step != 0:
+            assert time.monotonic() - published < 2.0, "step 0 waited longer than a few polls"
+            await asyncio.sleep(0.02)
+        assert_serving(sub, 0)
+    finally:
+        stop.set()
+        await daemon
+        await pub.close()
+    waiting = [r for r in caplog.records if "no step published" in r.getMessage()]
+    assert [r.levelname for r in waiting] == ["INFO"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 async def test_apply_to_overwrites_a_module_bit_exactly(

@@ -23,7 +23,14 @@ from safetensors import SafetensorError
 from pulsesync.codec import PatchHistory, UndoLog, apply_parts, apply_patch
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import dense_bytes
-from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, ReplayError
+from pulsesync.errors import (
+    ForeignStreamError,
+    IntegrityError,
+    MissingReferenceError,
+    NotFoundError,
+    PulseSyncError,
+    ReplayError,
+)
 from pulsesync.metrics import MARKERS_REJECTED
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned, pieces_metadata
 from pulsesync.protocol import layout
@@ -44,6 +51,7 @@ from pulsesync.verified import VerifiedState
 log = logging.getLogger("pulsesync.chain")
 _VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
 DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
+MAX_ANCHORS_TRIED = 3  # a slow path passes at most this many failing anchors before it gives up
 
 
 @dataclass
@@ -372,22 +380,40 @@ class ChainClient:
         check_digest(new, manifest.state_digest, f"patch {manifest.step}")
         return new
 
-    async def reconstruct(self, step: int | None = None) -> Reconstruction:
-        """Rebuild a ready step (default: the newest) from the nearest anchor on its chain, verifying every link."""
+    async def reconstruct(self, step: int | None = None, anchors: int = MAX_ANCHORS_TRIED) -> Reconstruction:
+        """Rebuild a ready step (default: the newest) from the nearest anchor on its chain, verifying every link.
+
+        An anchor that fails (missing, damaged, forged) is passed for the one before it on the chain,
+        up to `anchors` tried: one bad anchor does not block every cold start until the next.
+        """
         ready = await self.ready()
         if not ready:
             raise NotFoundError(f"{self.store.url}: no ready steps")
         target = max(ready) if step is None else step
-        walk, links = await self.walk(target, lambda s: "anchor" in ready.get(s, ()))
-        if not walk.complete:
-            raise NotFoundError(f"{self.store.url}: step {walk.end} is not ready, so step {target} cannot be rebuilt")
-        anchor = await self.manifest(walk.end, "anchor")
-        assert isinstance(anchor, AnchorManifest)
-        if len(streams := {m.stream_id for m in [anchor, *links]}) > 1:
-            raise ForeignStreamError(f"{self.store.url}: the chain to step {target} mixes streams {sorted(streams)}")
-        state, digest, files = await self.load_anchor(anchor)
-        digest, history = await self.apply_chain(state, digest, links)
-        return Reconstruction(target, state, digest, files, walk.end, len(links), history)
+        failed: dict[int, PulseSyncError] = {}
+        while len(failed) < anchors:
+            walk, links = await self.walk(target, lambda s: "anchor" in ready.get(s, ()) and s not in failed)
+            if not walk.complete:
+                if failed:  # the chain ends below the anchors that failed: say why they did
+                    raise failed[min(failed)]
+                raise NotFoundError(
+                    f"{self.store.url}: step {walk.end} is not ready, so step {target} cannot be rebuilt"
+                )
+            try:
+                anchor = await self.manifest(walk.end, "anchor")
+                assert isinstance(anchor, AnchorManifest)
+                if len(streams := {m.stream_id for m in [anchor, *links]}) > 1:
+                    raise ForeignStreamError(
+                        f"{self.store.url}: the chain to step {target} mixes streams {sorted(streams)}"
+                    )
+                state, digest, files = await self.load_anchor(anchor)
+            except (IntegrityError, NotFoundError) as e:
+                failed[walk.end] = e
+                log.warning("anchor %d: %s: %s; trying the anchor before it", walk.end, type(e).__name__, e)
+                continue
+            digest, history = await self.apply_chain(state, digest, links)
+            return Reconstruction(target, state, digest, files, walk.end, len(links), history)
+        raise failed[min(failed)]
 
     async def apply_chain(
         self,

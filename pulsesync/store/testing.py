@@ -175,7 +175,9 @@ class StoreConformance:
             await store.put(key, key.encode())
         for folder, extra in shown.items():
             assert await _keys(store, folder) == sorted([k for k in legit if k.startswith(folder)] + extra)
-            assert await _keys(store, folder, start_after=max(extra)) == [k for k in legit if k.startswith(folder) and k > max(extra)]
+            assert await _keys(store, folder, start_after=max(extra)) == [
+                k for k in legit if k.startswith(folder) and k > max(extra)
+            ]
         everything = await _keys(store)
         assert everything == sorted(legit + [k for extra in shown.values() for k in extra])
         for key in everything:  # every key a listing shows is an object that reads back

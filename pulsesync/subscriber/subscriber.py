@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     stop_never,
     wait_exponential,
@@ -50,6 +50,7 @@ from pulsesync.errors import (
     LocalWriteError,
     MissingReferenceError,
     NotFoundError,
+    NothingPublishedError,
     PulseSyncError,
     ReplayError,
     StoreError,
@@ -77,6 +78,11 @@ _NOT_A_VERIFICATION_FAILURE = (
 
 
 _KERNEL_WARM_UPS = (fused.warm_up, mixsum.warm_up)  # the decode kernels and the digest's
+
+
+def _worth_retrying(error: BaseException) -> bool:
+    """Every pulsesync error but an empty prefix, which a daemon waits out at its poll interval."""
+    return isinstance(error, PulseSyncError) and not isinstance(error, NothingPublishedError)
 
 
 class _Changed(Exception):
@@ -344,7 +350,7 @@ class Subscriber:
         if newest is None:
             if self.chain.last_rejection is not None:  # say why: e.g. every marker is signed by an unknown key
                 raise self.chain.last_rejection
-            raise NotFoundError(f"{self.store.url}: no ready steps yet")
+            raise NothingPublishedError(f"{self.store.url}: no step published yet")
         ready = self.chain.listed  # newest_verified() just listed: one LIST per sync
         target = target if target is not None else self.config.step if self.config.step is not None else newest
         if target not in ready:
@@ -611,7 +617,7 @@ class Subscriber:
         return AsyncRetrying(
             stop=stop_never if attempts is None else stop_after_attempt(attempts),
             wait=wait_exponential(multiplier=self.config.retry_initial_seconds, max=self.config.retry_max_seconds),
-            retry=retry_if_exception_type(PulseSyncError),
+            retry=retry_if_exception(_worth_retrying),
             after=failed,
             sleep=sleep,
             reraise=True,
@@ -647,7 +653,7 @@ class Subscriber:
         runner = None
         if self.config.metrics_port is not None:
             runner = await metrics.serve_with_health(self.config.metrics_port, self.healthy)
-        scrubbing = None
+        scrubbing, said_waiting = None, False
         if self.config.scrub_interval_seconds is not None:
             scrubbing = asyncio.create_task(self._scrub_periodically(stop), name="pulsesync-scrub")
         try:
@@ -659,10 +665,18 @@ class Subscriber:
                         await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
                     continue
                 result = None
-                async for attempt in self._retrying(None, stop):  # until a sync succeeds or stop is set
-                    with attempt:
-                        if not stop.is_set():
-                            result = await self.sync()
+                try:
+                    async for attempt in self._retrying(None, stop):  # until a sync succeeds or stop is set
+                        with attempt:
+                            if not stop.is_set():
+                                result = await self.sync()
+                except NothingPublishedError as e:  # the start of a run: poll on at the usual interval
+                    if not said_waiting:
+                        log.info("%s; polling every %g s", e, self.config.poll_seconds)
+                        said_waiting = True
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
+                    continue
                 if result is None:
                     break
                 self.status.consecutive_failures = 0
