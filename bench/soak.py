@@ -60,8 +60,10 @@ ANCHOR_INTERVAL = 10
 
 
 def _published_marker(key: str) -> bool:
+    step = layout.parse_anchor_ready_key(key)
     entry = layout.parse_ready_key(key)
-    return entry is not None and entry.step < layout.MAX_STEP - 1000
+    step = entry.step if entry is not None else step
+    return step is not None and step < layout.MAX_STEP - 1000
 
 
 class DigestCheck(Sink):
@@ -270,16 +272,16 @@ class Soak:
             if kind == "stray ready key":
                 await store.put(rng.choice(["ready/notes.txt", "ready/_SUCCESS", "ready/zzz.json"]), b"x")
             elif kind == "far-future copied marker" and ready:
-                await store.put(layout.ready_key(far, "patch"), await store.get(rng.choice(ready)))
+                await store.put(layout.commit_key(far), await store.get(rng.choice(ready)))
             elif kind == "malformed marker":
                 body = rng.choice([b"[" * 50_000, b'{"format_version": 1, "step": NaN}', b"\xff" * 100])
-                await store.put(layout.ready_key(far, "anchor"), body)
+                await store.put(rng.choice([layout.commit_key(far), layout.anchor_ready_key(far)]), body)
             elif kind == "unsigned marker" and ready:
                 doc = json.loads(await store.get(ready[-1]))
                 doc["signature"] = ""
-                await store.put(layout.ready_key(far, "patch"), json.dumps(doc).encode())
+                await store.put(layout.commit_key(far), json.dumps(doc).encode())
             elif kind == "forged tombstone":
-                anchors = [k for k in ready if k.endswith(".anchor.json")]
+                anchors = [k.key async for k in store.list(layout.ANCHOR_READY_PREFIX) if _published_marker(k.key)]
                 if anchors:
                     newest = await store.get(anchors[-1])
                     stone = {"marker": newest.decode(), "removed_at": "2000-01-01T00:00:00+00:00"}

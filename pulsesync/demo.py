@@ -72,7 +72,7 @@ def run_demo(
 
 async def _corrupt_patch(store: Store, step: int) -> str:
     """Flip one byte of a published patch object in the store (as a faulty disk or proxy would)."""
-    object_key = parse_manifest(await store.get(layout.ready_key(step, "patch"))).objects[0].key
+    object_key = parse_manifest(await store.get(layout.commit_key(step))).objects[0].key
     data = bytearray(await store.get(object_key))
     data[len(data) // 2] ^= 0x01
     await store.put(object_key, bytes(data))

@@ -51,13 +51,15 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
     manifests: dict[tuple[int, str], PatchManifest | AnchorManifest] = {}
     rows: list[ChainRow] = []
     chain = ChainClient(store, trusted or {})
-    for entry, info in await chain.refresh(from_start=True):
+    for entry, info in await chain.refresh(from_start=True, anchors=True):
         name = f"{store.url}{info.key}"
-        data = await chain.marker(entry.step, entry.kind)
+        data = await chain.marker(info.key)
         verified: bool | None = None
         error = None
+        kind = entry.kind or "commit"  # a commit key's kind is in its manifest
         try:
             manifest = parse_manifest(data, name)
+            kind = manifest.kind
             if trusted:
                 try:
                     verify_manifest(data, trusted, name=name)
@@ -65,15 +67,15 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
                 except PulseSyncError as e:
                     verified, error = False, f"{type(e).__name__}: {e}"
         except PulseSyncError as e:
-            rows.append(ChainRow(entry.step, entry.kind, None, None, 0, 0, 0, 0.0, "", False, 0.0, str(e)))
+            rows.append(ChainRow(entry.step, kind, None, None, 0, 0, 0, 0.0, "", False, 0.0, str(e)))
             continue
-        manifests[(entry.step, entry.kind)] = manifest
+        manifests[(entry.step, kind)] = manifest
         sizes = manifest.sizes
         base = manifest.base_step if isinstance(manifest, PatchManifest) else None
         rows.append(
             ChainRow(
                 step=entry.step,
-                kind=entry.kind,
+                kind=kind,
                 base_step=base,
                 chains_from=None,
                 wire_bytes=sizes.wire_bytes,
@@ -87,6 +89,7 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
                 codings=manifest.codec.records if isinstance(manifest, PatchManifest) else None,
             )
         )
+    rows.sort(key=lambda r: (r.step, r.kind))
     anchors = {step for step, kind in manifests if kind == "anchor"}
     bases = {step: m.base_step for (step, _), m in manifests.items() if isinstance(m, PatchManifest)}
     for row in rows:
@@ -112,16 +115,16 @@ async def retired_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | N
     """Every retention tombstone in the store, in step order (unreadable ones with their error)."""
     rows = []
     async for info in store.list(layout.TOMBSTONE_PREFIX):
-        entry = layout.parse_ready_key(info.key, layout.TOMBSTONE_PREFIX)
+        entry = layout.parse_tombstone_key(info.key)
         if entry is None:
             continue
         try:
             stone = await read_tombstone(store, info.key, trusted or None)
             size = sum(size for _, size in stone.objects)
-            rows.append(RetiredRow(entry.step, entry.kind, stone.removed_at, size, True if trusted else None))
+            rows.append(RetiredRow(*entry, stone.removed_at, size, True if trusted else None))
         except (PulseSyncError, ValueError) as e:
             epoch = dt.datetime.fromtimestamp(0, dt.timezone.utc)
-            rows.append(RetiredRow(entry.step, entry.kind, epoch, 0, False, f"{type(e).__name__}: {e}"))
+            rows.append(RetiredRow(*entry, epoch, 0, False, f"{type(e).__name__}: {e}"))
     return sorted(rows, key=lambda r: (r.step, r.kind))
 
 

@@ -52,6 +52,6 @@ def test_demo_on_s3_and_refusal_to_reuse_a_prefix(moto_endpoint: str, capsys: py
     assert f"store s3://{BUCKET}/demo/" in out and "bitwise equal to the trainer" in out
     assert main(["store", "ls", "ready/", *flags]) == 0
     ready = capsys.readouterr().out.split()[1::2]
-    assert ready == sorted(ready) and ready[-1] == "ready/000000000005.patch.json"  # retention pruned the rest
+    assert ready == sorted(ready) and ready[-1] == "ready/000000000005.json"  # retention pruned the rest
     assert main(["demo", *small, *flags]) == 6  # ready markers are never overwritten
     assert "already holds published steps" in capsys.readouterr().err

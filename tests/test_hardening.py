@@ -35,6 +35,7 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import RetryPolicy, S3Store, Store, StoreConfig
 from pulsesync.subscriber import Subscriber
 from tests.support.fault_proxy import FaultProxy
+from tests.support.helpers import anchor_marker
 from tests.support.servers import BUCKET
 from tests.support.subscribing import assert_serving, publish, subscriber
 
@@ -114,7 +115,7 @@ async def test_a_malformed_marker_does_not_stop_the_daemon(
 ) -> None:
     """Item 3: a nested-JSON marker at a newer step: the daemon keeps running and serves the next good step."""
     await wait_for(lambda: daemon.step == 8, "step 8", sub=daemon)
-    await store.put(layout.ready_key(50, "patch"), b"[" * 100_000)
+    await store.put(layout.commit_key(50), b"[" * 100_000)
     await wait_for(lambda: daemon.status.rejected_markers == 1, "the marker skipped", sub=daemon)
     assert "ManifestError" in (daemon.status.last_rejected or "")
     await publish(publisher, range(9, 11))  # the publisher skips it too
@@ -222,7 +223,7 @@ async def test_a_copied_marker_at_a_far_future_step_is_skipped_by_subscribers_an
 ) -> None:
     """Item 4: a validly signed manifest copied to step 999999999999 froze the fleet (ReplayError, no publishing)."""
     await wait_for(lambda: daemon.step == 8, "step 8", sub=daemon)
-    await store.put(layout.ready_key(layout.MAX_STEP, "patch"), await store.get(layout.ready_key(3, "patch")))
+    await store.put(layout.commit_key(layout.MAX_STEP), await store.get(layout.commit_key(3)))
     await wait_for(lambda: daemon.status.rejected_markers == 1, "the forged marker skipped", sub=daemon)
     health = daemon.healthy()
     assert health[0] and health[1]["rejected_markers"] == 1 and "ReplayError" in health[1]["last_rejected"]
@@ -255,7 +256,7 @@ async def test_a_signed_anchor_copied_from_another_run_is_never_served(tmp_path:
     await sub.sync()
     assert sub.step == 8 and sub.status.stream_id
     async for info in run_b.list():
-        if info.key.startswith(("anchors/000000000010/", "ready/000000000010.anchor")):
+        if info.key.startswith(("anchors/000000000010/", "ready/000000000010", "ready-anchors/000000000010")):
             await run_a.put(info.key, await run_b.get(info.key))
     await sub.sync()
     assert sub.step == 8 and sub.status.rejected_markers == 1
@@ -692,19 +693,20 @@ async def test_a_forged_tombstone_or_unsigned_marker_deletes_nothing_live(store:
         json.dumps({"step": 3, "kind": "anchor", "objects": objects, "removed_at": old}).encode(),
     )
     # A copy of the live anchor's own signed marker as a tombstone of another step.
+    anchor10 = await anchor_marker(store, 10)
     await store.put(
         layout.tombstone_key(4, "anchor"),
-        json.dumps({"marker": (await store.get(layout.ready_key(10, "anchor"))).decode(), "removed_at": old}).encode(),
+        json.dumps({"marker": (await store.get(anchor10)).decode(), "removed_at": old}).encode(),
     )
     # A naive timestamp, and a NUL byte in a key it names: malformed, skipped, never a crash.
     await store.put(layout.tombstone_key(6, "patch"), json.dumps({"marker": "{}", "removed_at": "2000-01-01"}).encode())
     nul = {"step": 7, "kind": "patch", "objects": [["patches/000000000007/a\x00b", 1]], "removed_at": old}
     await store.put(layout.tombstone_key(7, "patch"), json.dumps(nul).encode())
     # An unsigned old marker that lists the live shards.
-    forged = json.loads(await store.get(layout.ready_key(0, "anchor")))
+    forged = json.loads(await store.get(layout.commit_key(0)))
     forged["objects"] = [{"key": k, "size": 1, "sha256": "0" * 64} for k in live]
     forged["signature"] = ""
-    await store.put(layout.ready_key(0, "anchor"), json.dumps(forged).encode())
+    await store.put(layout.commit_key(0), json.dumps(forged).encode())
     worker = RetentionWorker(
         store,
         RetentionPolicy(keep_patches=1, keep_anchors=1, grace_seconds=0),

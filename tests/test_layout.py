@@ -15,20 +15,26 @@ def test_key_names_match_the_protocol() -> None:
     assert layout.patch_key(42, "a1b2") == "patches/000000000042/patch-a1b2.bin"
     assert layout.anchor_prefix(50) == "anchors/000000000050/"
     assert layout.anchor_dir(50, "a1b2") == "anchors/000000000050/a1b2/"
-    assert layout.ready_key(7, "patch") == "ready/000000000007.patch.json"
-    assert layout.ready_key(7, "anchor") == "ready/000000000007.anchor.json"
+    assert layout.commit_key(7) == "ready/000000000007.json"
+    assert layout.anchor_ready_key(7) == "ready-anchors/000000000007.json"
+    assert layout.legacy_ready_key(7, "patch") == "ready/000000000007.patch.json"
+    assert layout.legacy_ready_key(7, "anchor") == "ready/000000000007.anchor.json"
 
 
 @given(st.lists(st.integers(0, layout.MAX_STEP), min_size=2, max_size=50))
 def test_listing_order_is_step_order(steps: list[int]) -> None:
-    keys = [layout.ready_key(s, "patch") for s in steps]
+    keys = [layout.commit_key(s) for s in steps]
     assert [layout.parse_ready_key(k).step for k in sorted(keys)] == sorted(steps)
 
 
 def test_parse_ready_key_round_trip_and_rejects_others() -> None:
+    assert layout.parse_ready_key(layout.commit_key(123)) == layout.ReadyEntry(123, None)
     for kind in ("patch", "anchor"):
-        entry = layout.parse_ready_key(layout.ready_key(123, kind))
+        entry = layout.parse_ready_key(layout.legacy_ready_key(123, kind))
         assert entry == layout.ReadyEntry(123, kind)
+    assert layout.parse_anchor_ready_key(layout.anchor_ready_key(123)) == 123
+    assert layout.parse_anchor_ready_key(layout.commit_key(123)) is None
+    assert layout.parse_tombstone_key(layout.tombstone_key(123, "anchor")) == (123, "anchor")
     for key in [
         "ready/12.patch.json",
         "ready/000000000001.delta.json",
@@ -55,7 +61,7 @@ def test_step_bounds() -> None:
     with pytest.raises(ValueError):
         layout.patch_key(-1, "a1")
     with pytest.raises(ValueError):
-        layout.ready_key(layout.MAX_STEP + 1, "patch")
+        layout.commit_key(layout.MAX_STEP + 1)
 
 
 @pytest.mark.parametrize("run_id", ["", "../x", "A1", "a/b", "x" * 33])

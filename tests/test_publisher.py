@@ -23,7 +23,7 @@ from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, verify_ma
 from pulsesync.publisher import AsyncPublisher, Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore, Store
-from tests.support.helpers import assert_states_equal, trainer_states
+from tests.support.helpers import assert_states_equal, ready_kinds, trainer_states
 from tests.support.helpers import publisher_config as config
 from tests.support.recording_store import RecordingStore
 
@@ -44,13 +44,10 @@ async def publish_steps(
     return publisher
 
 
-async def ready_kinds(store: Store) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    async for info in store.list("ready/"):
-        entry = layout.parse_ready_key(info.key)
-        assert entry is not None, info.key
-        out.setdefault(entry.step, set()).add(entry.kind)
-    return out
+def marker_keys(kinds: dict[int, set[str]]) -> list[str]:
+    """Where the publisher writes each marker: one commit key per step, an anchor of a patch step beside it."""
+    keys = [layout.commit_key(s) for s in kinds]
+    return keys + [layout.anchor_ready_key(s) for s, ks in kinds.items() if ks == {"patch", "anchor"}]
 
 
 async def assert_every_step_rebuilds(store: Store, key: Ed25519PrivateKey, states: tuple[dict, ...]) -> None:
@@ -65,9 +62,8 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
 ) -> None:
     publisher = await publish_steps(store, key, range(30))
     run = publisher.run_id
-    assert await ready_kinds(store) == {s: {"patch"} | ({"anchor"} if s % 10 == 0 else set()) for s in range(1, 30)} | {
-        0: {"anchor"}
-    }
+    kinds = {s: {"patch"} | ({"anchor"} if s % 10 == 0 else set()) for s in range(1, 30)} | {0: {"anchor"}}
+    assert sorted([info.key async for info in store.list("ready")]) == sorted(marker_keys(kinds))
     keys = [info.key async for info in store.list()]
     patches = [layout.patch_key(s, run) for s in range(1, 30)]
     anchor_files = {"config.json", "model.safetensors.index.json"}
@@ -77,16 +73,16 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
         names = {k.rsplit("/", 1)[1] for k in anchors if k.startswith(layout.anchor_dir(step, run))}
         shards = names - anchor_files
         assert anchor_files <= names and len(shards) >= 2 and all(n.startswith("model-0000") for n in shards)
-    ready = [layout.ready_key(s, k) for s, kinds in (await ready_kinds(store)).items() for k in kinds]
-    assert sorted(keys) == sorted([*patches, *anchors, *ready, layout.POINTER_KEY])
-    assert await store.get(layout.POINTER_KEY) == layout.pointer_body(29, "patch")  # the newest marker
+    assert sorted(keys) == sorted([*patches, *anchors, *marker_keys(kinds), layout.POINTER_KEY])
+    assert await store.get(layout.POINTER_KEY) == layout.pointer_body(29)  # the newest commit
 
     anchors_so_far = [0]
     for step in range(30):
         for kind in ("patch", "anchor"):
             if (step == 0 and kind == "patch") or (kind == "anchor" and step % 10):
                 continue
-            manifest = verify_manifest(await store.get(layout.ready_key(step, kind)), trusted(key))  # type: ignore[arg-type]
+            where = layout.anchor_ready_key(step) if kind == "anchor" and step else layout.commit_key(step)
+            manifest = verify_manifest(await store.get(where), trusted(key))  # type: ignore[arg-type]
             assert manifest.step == step and manifest.key_id == signing.key_id(key.public_key())
             if isinstance(manifest, PatchManifest):
                 assert manifest.base_step == step - 1 and manifest.anchor_step in anchors_so_far
@@ -101,7 +97,7 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
 async def test_the_ready_marker_is_the_last_write_of_every_step(store: Store, key: Ed25519PrivateKey) -> None:
     store = RecordingStore(store)
     await publish_steps(store, key, range(12), config(anchor_interval=4))
-    markers = [i for i, (_, k) in enumerate(store.writes) if k.startswith("ready/")]
+    markers = [i for i, (_, k) in enumerate(store.writes) if k.startswith(("ready/", "ready-anchors/"))]
     assert len(markers) == 11 + 3  # patches 1..11, anchors 0, 4, 8
     for i in markers:
         op, marker = store.writes[i]
@@ -117,7 +113,8 @@ async def test_an_anchor_also_follows_when_patch_bytes_exceed_the_budget(
     store = FileStore(tmp_path / "store")
     publisher = await publish_steps(store, key, range(10), config(anchor_interval=100, anchor_bytes_budget=20_000))
     patch_bytes = {r.step: r.wire_bytes for r in publisher.reports if r.kind == "patch"}
-    anchors = sorted(s for s, kinds in (await ready_kinds(store)).items() if "anchor" in kinds)
+    kinds = await ready_kinds(ChainClient(store, trusted(key)))  # type: ignore[arg-type]
+    anchors = sorted(s for s, of_step in kinds.items() if "anchor" in of_step)
     assert len(anchors) > 2 and anchors[0] == 0
     for previous, anchor in itertools.pairwise(anchors):  # never before the budget is exceeded
         assert sum(patch_bytes[s] for s in range(previous + 1, anchor + 1)) > 20_000
@@ -132,11 +129,11 @@ async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, k
     failures_before = REGISTRY.get_sample_value("pulsesync_publish_failures_total", {"kind": "patch"}) or 0
     recording = RecordingStore(store, fail_step_5)
     publisher = await publish_steps(recording, key, range(9))
-    ready = await ready_kinds(store)
+    ready = await ready_kinds(ChainClient(store, trusted(key)))  # type: ignore[arg-type]
     assert 5 not in ready and set(ready) == {0, 1, 2, 3, 4, 6, 7, 8}
     # The payload went up, the marker did not: the step is invisible, the orphan is harmless.
     assert [k async for k in store.list(layout.patch_prefix(5))]
-    patch6 = verify_manifest(await store.get(layout.ready_key(6, "patch")), trusted(key))  # type: ignore[arg-type]
+    patch6 = verify_manifest(await store.get(layout.commit_key(6)), trusted(key))  # type: ignore[arg-type]
     assert isinstance(patch6, PatchManifest) and patch6.base_step == 4
     # A subscriber at step 4 applies patch 6 cleanly and lands bitwise on the trainer's step 6.
     reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
@@ -156,9 +153,9 @@ async def test_a_patch_that_fails_after_retries_is_replaced_by_an_anchor(store: 
             raise StoreError(f"injected: put {k} gave up after retries")
 
     await publish_steps(RecordingStore(store, fail_patch_5), key, range(9))
-    ready = await ready_kinds(store)
+    ready = await ready_kinds(ChainClient(store, trusted(key)))  # type: ignore[arg-type]
     assert ready[5] == {"anchor"} and ready[6] == {"patch"}
-    patch6 = verify_manifest(await store.get(layout.ready_key(6, "patch")), trusted(key))  # type: ignore[arg-type]
+    patch6 = verify_manifest(await store.get(layout.commit_key(6)), trusted(key))  # type: ignore[arg-type]
     assert isinstance(patch6, PatchManifest) and (patch6.base_step, patch6.anchor_step) == (5, 5)
     await assert_every_step_rebuilds(store, key, trainer_states(9))
 
@@ -187,7 +184,7 @@ async def test_a_second_publisher_on_the_prefix_gets_conflict_and_overwrites_not
     with pytest.raises(ConflictError):
         await second.publish(5, states[5])  # stopped for good
     after = {info.key: await store.get(info.key) async for info in store.list()}
-    assert after.pop(layout.POINTER_KEY) == layout.pointer_body(4, "patch")  # the first publisher's step 4
+    assert after.pop(layout.POINTER_KEY) == layout.pointer_body(4)  # the first publisher's step 4
     before.pop(layout.POINTER_KEY)
     assert {k: v for k, v in after.items() if k in before} == before
     assert not [
@@ -204,13 +201,13 @@ async def test_a_marker_race_is_lost_cleanly_by_put_if_absent(tmp_path: Path, ke
     await publish_steps(store, key, range(2))
     late = AsyncPublisher(config(), store=store, signing_key=key)
     await late.start()
-    intruder = await store.get(layout.ready_key(1, "patch"))
-    await store.put_if_absent(layout.ready_key(2, "anchor"), intruder)  # appears after late's listing
-    late._chain._last_key = layout.ready_key(2, "anchor")  # as if its listing ran just before the intruder wrote
+    intruder = await store.get(layout.commit_key(1))
+    await store.put_if_absent(layout.commit_key(2), intruder)  # appears after late's listing
+    late._chain._last_key = layout.commit_key(2)  # as if its listing ran just before the intruder wrote
     await late.publish(2, states[2])
     with pytest.raises(ConflictError, match="already exists: another publisher"):
         await late.flush()
-    assert await store.get(layout.ready_key(2, "anchor")) == intruder
+    assert await store.get(layout.commit_key(2)) == intruder
 
 
 async def test_steps_must_strictly_increase(tmp_path: Path, key: Ed25519PrivateKey) -> None:
@@ -256,7 +253,7 @@ async def test_backpressure_skip_publishes_the_newest_and_counts(tmp_path: Path,
     states = trainer_states(12)
     skipped_before = REGISTRY.get_sample_value("pulsesync_skipped_steps_total") or 0
     publisher = await publish_steps(store, key, range(12), config(on_backpressure="skip"))
-    ready = await ready_kinds(store)
+    ready = await ready_kinds(ChainClient(store, trusted(key)))
     assert publisher.skipped > 0 and 11 in ready
     assert len(ready) + publisher.skipped == 12
     assert REGISTRY.get_sample_value("pulsesync_skipped_steps_total") == skipped_before + publisher.skipped
@@ -303,13 +300,13 @@ def test_kill_9_between_payload_and_marker_leaves_no_step_and_the_next_run_conti
     store = FileStore(store_dir)
     import asyncio
 
-    ready = asyncio.run(ready_kinds(store))
+    ready = asyncio.run(ready_kinds(ChainClient(store, trusted(key))))
     assert set(ready) == {0, 1, 2, 3, 4, 5}  # step 6's payload is there, its marker is not
-    assert asyncio.run(store.exists(layout.ready_key(6, "patch"))) is False
+    assert asyncio.run(store.exists(layout.commit_key(6))) is False
     assert any(p.name.startswith("patch-") for p in (store_dir / layout.patch_prefix(6)).iterdir())
 
     subprocess.run([*run, "6", "12"], cwd=ROOT, env=env, check=True, timeout=300)
-    assert set(asyncio.run(ready_kinds(store))) == set(range(13))
+    assert set(asyncio.run(ready_kinds(ChainClient(store, trusted(key))))) == set(range(13))
     asyncio.run(assert_every_step_rebuilds(store, key, trainer_states(13)))
 
 
@@ -340,7 +337,7 @@ async def test_resume_publishes_an_anchor_when_the_chain_cannot_be_rebuilt(
     store = FileStore(tmp_path / "store")
     states = trainer_states(5)
     await publish_steps(store, key, range(3))
-    await store.delete_many([layout.ready_key(0, "anchor")])  # e.g. pruned or lost: step 2 has no anchor
+    await store.delete_many([layout.commit_key(0)])  # e.g. pruned or lost: step 2 has no anchor
     publisher = AsyncPublisher(config(resume=True), store=store, signing_key=key)
     async with publisher:
         await publisher.publish(3, states[3])

@@ -23,7 +23,7 @@ from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
 from pulsesync.publisher.config import PublisherConfig, WatchConfig
 from pulsesync.publisher.sources import watch
 from pulsesync.store import FileStore
-from tests.support.helpers import assert_states_equal, write_checkpoint
+from tests.support.helpers import assert_states_equal, ready_kinds, write_checkpoint
 from tests.support.servers import free_port
 
 ROOT = Path(__file__).parent.parent
@@ -154,7 +154,7 @@ def test_cli_publish_one_checkpoint_then_backfill_a_directory(
     )
     assert capsys.readouterr().out.count("ok=true") == 3
     assert not list((tmp_path / "ckpts").iterdir())
-    assert (tmp_path / "store2" / layout.ready_key(12, "patch")).exists()
+    assert (tmp_path / "store2" / layout.commit_key(12)).exists()
 
 
 def test_cli_publish_rejects_bad_config_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -208,7 +208,7 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
         Publisher(config)  # the port is taken: a clear error at start, not a traceback
 
     reader = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
-    ready = asyncio.run(reader.ready())
+    ready = asyncio.run(ready_kinds(reader))
     # The initial weights are step 0, so engines launched from any checkpoint converge to a known policy.
     assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"patch"}}
     assert_states_equal(asyncio.run(reader.reconstruct(0)).state, initial)
@@ -226,6 +226,6 @@ def test_cli_publish_synthetic_trainer_steps(tmp_path: Path, capsys: pytest.Capt
     # A restart continues the numbering after the newest step (and anchors anew).
     assert main(["publish", *flags, "--synthetic", "--interval", "0", "--max-steps", "1"]) == 0
     reader = ChainClient(FileStore(store), signing.trusted_keys([key_dir / "publisher.pub"]))
-    ready = asyncio.run(reader.ready())
+    ready = asyncio.run(ready_kinds(reader))
     assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"anchor"}}
     assert asyncio.run(reader.reconstruct()).step == 3

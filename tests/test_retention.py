@@ -33,7 +33,7 @@ from pulsesync.sinks import Sink, Update
 from pulsesync.store import FileStore, S3Store, Store
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.helpers import assert_states_equal, trainer_states
+from tests.support.helpers import assert_states_equal, ready_kinds, trainer_states
 from tests.support.helpers import publisher_config as config
 from tests.support.recording_store import RecordingStore
 from tests.support.servers import BUCKET
@@ -50,7 +50,7 @@ async def publish(pub: AsyncPublisher, steps: list[int]) -> None:
 
 
 async def ready_steps(store: Store) -> dict[int, set[str]]:
-    return {s: set(k) for s, k in (await ChainClient(store, TRUSTED).ready()).items()}
+    return await ready_kinds(ChainClient(store, TRUSTED))
 
 
 async def assert_every_ready_step_reconstructs(store: Store) -> None:
@@ -103,7 +103,7 @@ def test_retention_never_breaks_a_kept_chain(
         # Nothing the kept markers do not name is left behind (grace 0: payloads went at once).
         reader = ChainClient(store, TRUSTED)
         named = set()
-        for step, kinds in (await reader.ready()).items():
+        for step, kinds in (await ready_kinds(reader)).items():
             for kind in kinds:
                 named |= {ref.key for ref in (await reader.manifest(step, kind)).objects}
         oldest = min(await reader.ready())
@@ -123,7 +123,7 @@ async def test_grace_period_keeps_payloads_then_dry_run_and_second_run(tmp_path:
     policy = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=1.0)
     dry = await RetentionWorker(store, policy, TRUSTED).run_once(dry_run=True)
     assert dry.unmark and not dry.purge
-    assert dry.lines()[0] == "remove ready marker ready/000000000000.anchor.json"
+    assert dry.lines()[0] == "remove ready marker ready/000000000000.json"
     assert len(await ready_steps(store)) == 12  # a dry run deletes nothing
     worker = RetentionWorker(store, policy, TRUSTED)
     first = await worker.run_once()
@@ -222,7 +222,7 @@ def test_retain_inspect_and_verify_commands(tmp_path: Path, capsys: pytest.Captu
     trust = ["--trusted-key", str(pub_file)]
     assert main(["retain", "--store", url, "--keep-patches", "1", "--keep-anchors", "1", "--dry-run", *trust]) == 0
     plan = capsys.readouterr().out.splitlines()
-    assert plan[0] == "remove ready marker ready/000000000000.anchor.json" and plan[-1].startswith("would have: ")
+    assert plan[0] == "remove ready marker ready/000000000000.json" and plan[-1].startswith("would have: ")
     flags = ["--store", url, "--keep-patches", "1", "--keep-anchors", "1", "--grace-seconds", "0", "--once", *trust]
     assert main(["retain", *flags]) == 0
     assert "kept 2 ready markers; removed 10 markers" in capsys.readouterr().out  # patch 9 + anchor 8 stay
@@ -234,10 +234,10 @@ def test_retain_inspect_and_verify_commands(tmp_path: Path, capsys: pytest.Captu
     assert main(["verify", "--store", url, "--trusted-key", str(pub_file), "--step", "5"]) == 5
     assert "NotFoundError" in capsys.readouterr().err
     assert main(["verify", "--store", url]) == 3
-    (tmp_path / "store" / "ready" / "000000000009.patch.json").write_text("{")
+    (tmp_path / "store" / "ready" / "000000000009.json").write_text("{")
     assert main(["retain", *flags]) == 0  # a marker it cannot read is skipped: it keeps and deletes nothing
     assert "deleted 0 objects" in capsys.readouterr().out
-    assert (tmp_path / "store" / "ready" / "000000000009.patch.json").exists()
+    assert (tmp_path / "store" / "ready" / "000000000009.json").exists()
     assert any((tmp_path / "store" / "patches" / "000000000009").iterdir())
     assert main(["retain", *flags[:-2]]) == 3  # no trusted key: a configuration error
 
@@ -313,7 +313,7 @@ async def test_retention_keeps_what_a_lagging_subscriber_needs_and_inspect_shows
     plan = await RetentionWorker(store, policy, TRUSTED).run_once(dry_run=True)
     assert plan.lines()[0] == "keep 13 patches after step 12 for subscriber lagging (fleet status)"
     removed = [line.removeprefix("remove ready marker ") for line in plan.lines() if line.startswith("remove ready")]
-    assert removed and not {layout.ready_key(s, "patch") for s in range(13, 26)} & set(removed)
+    assert removed and not {layout.commit_key(s) for s in range(13, 26)} & set(removed)
     capped = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0, fleet_max_lag=12)
     assert (await RetentionWorker(store, capped, TRUSTED).plan()).for_fleet == []  # too far behind: slow path
     await RetentionWorker(store, policy, TRUSTED).run_once()

@@ -69,7 +69,7 @@ def _signed_steps(key: Ed25519PrivateKey, start: int, stop: int, anchor_every: i
                 **common,
             )
         objects[ref.key] = b"x"
-        objects[layout.ready_key(step, manifest.kind)] = manifest.signed(key).to_bytes()
+        objects[layout.commit_key(step)] = manifest.signed(key).to_bytes()
     return objects
 
 
@@ -127,7 +127,7 @@ def test_markers_and_tombstones_are_read_once_and_what_is_gone_is_forgotten() ->
     assert first.keep == [(15, "anchor"), (16, "patch"), (17, "patch"), (18, "patch"), (19, "patch")]
     assert len(first.unmark) == 15 and store.calls["GET"] == 20 + 15
     store.calls.clear()
-    asyncio.run(memory.delete_many([layout.ready_key(19, "patch")]))  # removed by someone else
+    asyncio.run(memory.delete_many([layout.commit_key(19)]))  # removed by someone else
     second = asyncio.run(worker.run_once())  # the 15 tombstones read once; the removed marker forgotten
     assert store.calls["GET"] == 15 and not second.unmark and not second.purge
     assert second.keep == [(15, "anchor"), (16, "patch"), (17, "patch"), (18, "patch")]

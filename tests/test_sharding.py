@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from pulsesync.digest import state_digest
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.manifest import PatchManifest, parse_manifest
+from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest
 from pulsesync.publisher import AsyncPublisher, PublisherConfig
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
@@ -71,16 +71,13 @@ async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expe
         assert_states_equal(sub.state, full)
         await reference.publish(step, full)
         await reference.flush()
-        kind = "anchor" if step == steps[0] else "patch"
-        unsharded_root = parse_manifest(
-            (root / "unsharded" / layout.ready_key(step, kind)).read_bytes()
-        ).state_digest.root
+        unsharded_root = parse_manifest((root / "unsharded" / layout.commit_key(step)).read_bytes()).state_digest.root
         assert result.digest == unsharded_root == state_digest(full).root
     await reference.close()
     assert paths == (paths_expected or ["slow"] + ["fast"] * (len(steps) - 1)), paths
     for name, manifest in markers(root).items():
-        if name.endswith(".patch.json") and nproc:
-            assert isinstance(manifest, PatchManifest) and len(manifest.objects) == nproc, name  # one part per rank
+        if isinstance(manifest, PatchManifest) and nproc:
+            assert len(manifest.objects) == nproc, name  # one part per rank
     # A fresh subscriber rebuilds the newest step from a sharded anchor and writes the HF directory an
     # engine loads: from_pretrained reads it back, bit for bit.
     fresh = Subscriber(SubscriberConfig(out_dir=root / "served"), store=store, trusted=signing.trusted_keys([pub]))
@@ -115,15 +112,15 @@ async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_restarted_job_is_
     kill = 2
     torchrun(tmp_path, 2, "fsdp2", "--kill-step", str(kill), fails=True)
     root = tmp_path / "out" / "fsdp2"
-    assert not (root / "store" / layout.ready_key(kill, "patch")).exists()
+    assert not (root / "store" / layout.commit_key(kill)).exists()
     torchrun(tmp_path, relaunched_on, "fsdp2", "--first-step", str(kill + 1))  # the job, relaunched
-    ready = set(markers(root))
-    assert layout.ready_key(kill, "patch").split("/")[1] not in ready
-    assert layout.ready_key(kill, "anchor").split("/")[1] not in ready
-    assert layout.ready_key(kill + 1, "anchor").split("/")[1] in ready  # the restart starts with an anchor
+    ready = markers(root)
+    assert layout.commit_key(kill).split("/")[1] not in ready
+    restart = ready[layout.commit_key(kill + 1).split("/")[1]]
+    assert isinstance(restart, AnchorManifest)  # the restart starts with an anchor
     pub = tmp_path / "key" / "publisher.pub"
     # Step 1's state is held when the restart's anchor arrives: no patch links them, so the slow path.
     ready = markers(root)
-    parts = {len(m.objects) for n, m in ready.items() if n.endswith(".patch.json") and isinstance(m, PatchManifest)}
+    parts = {len(m.objects) for m in ready.values() if isinstance(m, PatchManifest)}
     assert parts == {2, relaunched_on}
     await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 0, ["slow", "fast", "slow", "fast"])

@@ -54,7 +54,7 @@ async def test_a_follower_reads_the_next_patch_beside_its_marker(
     timeline.calls.clear()
     result = await sub.sync()
     assert (result.step, result.path) == (9, "fast")
-    marker, patch = ("end", layout.ready_key(9, "patch")), ("start", _patch_key(sub, 9))
+    marker, patch = ("end", layout.commit_key(9)), ("start", _patch_key(sub, 9))
     assert timeline.events.index(patch) < timeline.events.index(marker)  # beside the marker, not after it
     assert timeline.calls == {"LIST": 1, "GET": 2}  # and read once
     assert_serving(sub, 9)
@@ -99,7 +99,7 @@ async def test_a_read_ahead_no_manifest_asked_for_is_stopped_at_close(
     sub = subscriber(Stalling(store), key)
     await sub.sync()  # step 8
     await publish(publisher, range(9, 10))
-    marker = layout.ready_key(9, "patch")
+    marker = layout.commit_key(9)
     await store.put(marker, (await store.get(marker)).replace(b'"step":9', b'"step":7', 1))  # signature breaks
     result = await asyncio.wait_for(sub.sync(), 10)  # not held up by the read
     assert result.step == 8 and sub.status.rejected_markers == 1

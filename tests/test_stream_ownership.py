@@ -85,7 +85,7 @@ def test_a_publisher_with_another_key_refuses_a_live_prefix_and_writes_nothing(
         assert publish(key_a, step) == 0
     capsys.readouterr()
     before = etags(seaweedfs_endpoint, prefix)
-    assert {k for k in before if "/ready/" in k} >= {f"{prefix}/{layout.ready_key(3, 'patch')}"}
+    assert {k for k in before if "/ready/" in k} >= {f"{prefix}/{layout.commit_key(3)}"}
 
     assert publish(key_b, 3) == 6
     err = capsys.readouterr().err
@@ -97,7 +97,7 @@ def test_a_publisher_with_another_key_refuses_a_live_prefix_and_writes_nothing(
     assert etags(seaweedfs_endpoint, prefix) == before
 
     # Unparseable junk under ready/ stays a skip: the owner publishes on.
-    junk = f"{prefix}/{layout.ready_key(7, 'patch')}"
+    junk = f"{prefix}/{layout.commit_key(7)}"
     boto3.client("s3", endpoint_url=seaweedfs_endpoint).put_object(Bucket=BUCKET, Key=junk, Body=b"\x00not json")
     assert publish(key_a, 4) == 0
     capsys.readouterr()
@@ -112,7 +112,7 @@ def test_a_publisher_with_another_key_refuses_a_live_prefix_and_writes_nothing(
     pointer = f"{prefix}/{layout.POINTER_KEY}"  # the one object every commit rewrites (a hint, unsigned)
     assert all(after[k] == tag for k, tag in owned.items() if k != pointer)  # nothing of A's was touched
     marker = boto3.client("s3", endpoint_url=seaweedfs_endpoint).get_object(
-        Bucket=BUCKET, Key=f"{prefix}/{layout.ready_key(5, 'anchor')}"
+        Bucket=BUCKET, Key=f"{prefix}/{layout.commit_key(5)}"
     )
     taken = parse_manifest(marker["Body"].read())
     assert taken.key_id == id_b
@@ -147,28 +147,31 @@ async def test_a_running_publisher_stops_when_another_key_commits_into_its_prefi
     await other.start()
     await other.publish(3, trainer_states(STEPS)[3])
     await other.close()
-    marker = layout.ready_key(3, "anchor")
+    marker = layout.commit_key(3)
     await store.put(marker, await FileStore(tmp_path / "other").get(marker))
     await owner.publish(4, trainer_states(STEPS)[4])
     with pytest.raises(ConflictError, match="signed by key"):
         await owner.flush()
-    assert layout.ready_key(4, "patch") not in {i.key async for i in store.list(layout.READY_PREFIX)}
+    assert layout.commit_key(4) not in {i.key async for i in store.list(layout.READY_PREFIX)}
     with pytest.raises(ConflictError):
         await owner.close()
 
 
 # --- item 2 ---------------------------------------------------------------------------------------
 def copy_step(src: Path, dst: Path, step: int) -> None:
-    """Copy a step's anchor marker and payload from one file-store prefix into another (an attacker's copy)."""
-    marker = layout.ready_key(step, "anchor")
-    (dst / marker).write_bytes((src / marker).read_bytes())
+    """Copy a step's markers and anchor payload from one file-store prefix into another (an attacker's copy)."""
+    for marker in (layout.commit_key(step), layout.anchor_ready_key(step)):
+        if (src / marker).exists():
+            (dst / marker).parent.mkdir(parents=True, exist_ok=True)
+            (dst / marker).write_bytes((src / marker).read_bytes())
     for path in (src / "anchors").glob(f"{layout.step_name(step)}*"):
         shutil.copytree(path, dst / "anchors" / path.name)
 
 
 def remove_step(root: Path, step: int) -> None:
-    """Delete a step's anchor marker and payload from a file-store prefix."""
-    (root / layout.ready_key(step, "anchor")).unlink()
+    """Delete a step's markers and anchor payload from a file-store prefix."""
+    for marker in (layout.commit_key(step), layout.anchor_ready_key(step)):
+        (root / marker).unlink(missing_ok=True)
     for path in (root / "anchors").glob(f"{layout.step_name(step)}*"):
         shutil.rmtree(path)
 
@@ -191,7 +194,7 @@ def two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, An
             flags = ["--store", root.as_uri(), "--signing-key", str(key), "--anchor-interval", "5"]
             assert main(["publish", *flags, "--checkpoint", str(ckpts[step]), "--step", str(step)]) == 0
         runs[name] = root
-    assert (runs["b"] / layout.ready_key(6, "anchor")).exists()
+    assert (runs["b"] / layout.anchor_ready_key(6)).exists()
     capsys.readouterr()
     return {
         "a": runs["a"],

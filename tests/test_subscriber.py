@@ -40,7 +40,7 @@ from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.fault_proxy import FaultProxy
-from tests.support.helpers import assert_states_equal, flip_byte, trainer_states
+from tests.support.helpers import anchor_marker, assert_states_equal, flip_byte, trainer_states
 from tests.support.recording_store import RecordingStore
 from tests.support.servers import BUCKET
 from tests.support.subscribing import STATES, assert_serving, publish, subscriber
@@ -76,7 +76,7 @@ async def damage_object(store: Store, key: str, how: Callable[[bytes], bytes | N
 
 
 async def patch_object_key(store: Store, step: int) -> str:
-    return json.loads(await store.get(layout.ready_key(step, "patch")))["objects"][0]["key"]
+    return json.loads(await store.get(layout.commit_key(step)))["objects"][0]["key"]
 
 
 FaultSetup = Callable[[Store, Ed25519PrivateKey], Coroutine[Any, Any, None]]
@@ -95,19 +95,19 @@ async def _deleted_patch(store: Store, key: Ed25519PrivateKey) -> None:
 
 
 async def _unknown_key(store: Store, key: Ed25519PrivateKey) -> None:
-    manifest = PatchManifest.model_validate_json(await store.get(layout.ready_key(7, "patch")))
+    manifest = PatchManifest.model_validate_json(await store.get(layout.commit_key(7)))
     forged = manifest.signed(Ed25519PrivateKey.generate())
-    await store.put(layout.ready_key(7, "patch"), forged.to_bytes())
+    await store.put(layout.commit_key(7), forged.to_bytes())
 
 
 async def _tampered_manifest(store: Store, key: Ed25519PrivateKey) -> None:
-    raw = json.loads(await store.get(layout.ready_key(7, "patch")))
+    raw = json.loads(await store.get(layout.commit_key(7)))
     raw["sizes"]["changed_elements"] += 1
-    await store.put(layout.ready_key(7, "patch"), json.dumps(raw).encode())
+    await store.put(layout.commit_key(7), json.dumps(raw).encode())
 
 
 async def _replayed_manifest(store: Store, key: Ed25519PrivateKey) -> None:
-    await store.put(layout.ready_key(7, "patch"), await store.get(layout.ready_key(6, "patch")))
+    await store.put(layout.commit_key(7), await store.get(layout.commit_key(6)))
 
 
 async def _wrong_base(store: Store, key: Ed25519PrivateKey) -> None:
@@ -118,18 +118,18 @@ async def _wrong_base(store: Store, key: Ed25519PrivateKey) -> None:
     patch = encode_patch(wrong_base, new, base_digest=base_digest, new_digest=new_digest)
     object_key = layout.patch_key(7, "forged")
     await store.put(object_key, patch)
-    manifest = PatchManifest.model_validate_json(await store.get(layout.ready_key(7, "patch")))
+    manifest = PatchManifest.model_validate_json(await store.get(layout.commit_key(7)))
     manifest = manifest.model_copy(
         update={"base_digest": base_digest.root, "objects": [ObjectRef.for_bytes(object_key, patch)]}
     )
-    await store.put(layout.ready_key(7, "patch"), manifest.signed(key).to_bytes())
+    await store.put(layout.commit_key(7), manifest.signed(key).to_bytes())
 
 
 async def _wrong_result_digest(store: Store, key: Ed25519PrivateKey) -> None:
     """A correctly signed manifest 7 promising another state digest: found only after the patch is applied."""
-    manifest = PatchManifest.model_validate_json(await store.get(layout.ready_key(7, "patch")))
+    manifest = PatchManifest.model_validate_json(await store.get(layout.commit_key(7)))
     manifest = manifest.model_copy(update={"state_digest": state_digest(trainer_states(STATES)[8])})
-    await store.put(layout.ready_key(7, "patch"), manifest.signed(key).to_bytes())
+    await store.put(layout.commit_key(7), manifest.signed(key).to_bytes())
 
 
 FAULTS: dict[str, tuple[FaultSetup, type[PulseSyncError]]] = {
@@ -187,7 +187,7 @@ async def test_a_corrupted_newest_anchor_is_passed_for_the_anchor_before_it(
     store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
 ) -> None:
     """A damaged newest anchor does not block cold starts until the next one: anchor 0 + patches 1-7 serve."""
-    anchor = json.loads(await store.get(layout.ready_key(5, "anchor")))
+    anchor = json.loads(await store.get(await anchor_marker(store, 5)))
     shard = next(o["key"] for o in anchor["objects"] if o["key"].endswith(".safetensors"))
     await damage_object(store, shard, flip_byte)
     sub = subscriber(store, key)
@@ -200,7 +200,7 @@ async def test_corrupted_anchors_are_never_served(
     store: Store, key: Ed25519PrivateKey, publisher: AsyncPublisher
 ) -> None:
     for step in (0, 5):
-        anchor = json.loads(await store.get(layout.ready_key(step, "anchor")))
+        anchor = json.loads(await store.get(await anchor_marker(store, step)))
         shard = next(o["key"] for o in anchor["objects"] if o["key"].endswith(".safetensors"))
         await damage_object(store, shard, flip_byte)
     sub = subscriber(store, key)
@@ -385,7 +385,7 @@ async def test_an_idle_daemon_polls_the_pointer_not_the_listing_and_a_bad_pointe
     pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=writing, signing_key=key)
     await pub.start()
     await publish(pub, range(2))
-    assert await store.get(layout.POINTER_KEY) == layout.ready_key(1, "patch").encode()
+    assert await store.get(layout.POINTER_KEY) == layout.commit_key(1).encode()
     counted = RecordingStore(store)
     sub = subscriber(counted, key, poll_seconds=0.05, list_every_seconds=3600)
     stop = asyncio.Event()
@@ -414,7 +414,7 @@ async def test_an_idle_daemon_polls_the_pointer_not_the_listing_and_a_bad_pointe
 
         await publish(pub, range(2, 3))  # a new step: the pointer changed, so one LIST finds it
         await serves(2)
-        for forged in (layout.pointer_body(999, "patch"), b"\xff junk", layout.pointer_body(0, "anchor")):
+        for forged in (layout.pointer_body(999), b"\xff junk", layout.pointer_body(0)):
             counted.calls.clear()
             await store.put(layout.POINTER_KEY, forged)
             await polls(3)

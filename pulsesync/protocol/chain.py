@@ -84,24 +84,67 @@ class ChainClient:
     # Read a run's next patch beside its marker (protocol/speculation.py): a follower's fast path.
     speculate: bool = False
     _ahead: Speculation | None = None
-    _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)
+    _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)  # the kinds known of each listed step
+    _keys: dict[tuple[int, layout.Kind], str] = field(default_factory=dict)  # the marker key of each (step, kind)
+    _unresolved: dict[int, str] = field(default_factory=dict)  # commit keys whose kind no manifest read told yet
     _last_key: str | None = None
-    _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest]] = field(default_factory=dict)
+    _last_anchor_key: str | None = None
+    _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest, str]] = field(default_factory=dict)
 
     # --- the ready listing ---------------------------------------------------------------------
-    async def refresh(self, *, from_start: bool = False) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:
-        """List the ready markers after the last key seen (every one with from_start); returns those found."""
+    async def refresh(
+        self, *, from_start: bool = False, anchors: bool = False
+    ) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:
+        """List the ready markers after the last key seen (every one with from_start); returns those found.
+
+        Commit keys (`ready/{step}.json`) are listed with kind None until a manifest read tells it.
+        With `anchors`, the anchors added to patch steps (`ready-anchors/`) are listed too: only the
+        slow path, the publisher's resume, retention and inspect need them, not a follower's poll.
+        """
         if from_start:
-            self._ready, self._last_key = {}, None
+            self._ready, self._keys, self._unresolved = {}, {}, {}
+            self._last_key = self._last_anchor_key = None
         found = []
         async for info in self.store.list(layout.READY_PREFIX, start_after=self._last_key):
             # Only a marker advances the position: a stray key (notes.txt, _SUCCESS) sorts after
             # every step and would hide the markers published after it.
             if (entry := layout.parse_ready_key(info.key)) and info.key not in self.rejected:
                 self._last_key = info.key
-                self._ready.setdefault(entry.step, set()).add(entry.kind)
+                self._ready.setdefault(entry.step, set())
+                if entry.kind is None:
+                    self._unresolved[entry.step] = info.key
+                else:
+                    self._learn(entry.step, entry.kind, info.key)
                 found.append((entry, info))
+        if anchors:
+            async for info in self.store.list(layout.ANCHOR_READY_PREFIX, start_after=self._last_anchor_key):
+                step = layout.parse_anchor_ready_key(info.key)
+                if step is not None and info.key not in self.rejected:
+                    self._last_anchor_key = info.key
+                    self._ready.setdefault(step, set())
+                    if (step, "anchor") not in self._keys:  # an anchor that is the step's commit comes first
+                        self._learn(step, "anchor", info.key)
+                    found.append((layout.ReadyEntry(step, "anchor"), info))
         return found
+
+    def _learn(self, step: int, kind: layout.Kind, key: str) -> None:
+        self._keys[(step, kind)] = key
+        self._ready.setdefault(step, set()).add(kind)
+
+    def learned(self, step: int, kind: layout.Kind, key: str) -> None:
+        """Record the kind of a listed marker the caller verified before (retention keeps what it verified)."""
+        if self._unresolved.get(step) == key:
+            del self._unresolved[step]
+        self._learn(step, kind, key)
+
+    async def resolve(self, step: int) -> None:
+        """Learn the kind of a step's commit marker (one verified read; nothing to do once known)."""
+        key = self._unresolved.get(step)
+        if key is None:
+            return
+        manifest = await self._read_verified(step, key)
+        if self._unresolved.pop(step, None) is not None:
+            self._learn(step, manifest.kind, key)  # the commit decides the kind, also over a listed anchor
 
     async def newest_verified(self) -> int | None:
         """The newest ready step with a marker that verifies; None if there is none.
@@ -113,31 +156,47 @@ class ChainClient:
         for step in sorted(self._ready, reverse=True):
             if step in self._verified:  # markers never change: verified once is enough
                 return step
-            for kind in sorted(self._ready.get(step, ())):
+            while (key := self.commit_key_of(step)) is not None:  # a legacy step's other marker after a bad one
                 try:
-                    await self.manifest(step, kind)
+                    await self.commit_manifest(step)
                     return step
                 except NotFoundError:
                     continue
                 except IntegrityError as e:
-                    self.reject(step, kind, e)
+                    self.reject(key, e)
         return None
 
-    def reject(self, step: int, kind: layout.Kind, error: IntegrityError) -> None:
+    def commit_key_of(self, step: int) -> str | None:
+        """The key of the marker that commits a step: its commit key, or in legacy prefixes its patch marker
+        (else its anchor marker); None if none is listed."""
+        if step in self._unresolved:
+            return self._unresolved[step]
+        return self._keys.get((step, "patch")) or self._keys.get((step, "anchor"))
+
+    async def commit_manifest(self, step: int) -> PatchManifest | AnchorManifest:
+        """The verified manifest a step was committed with, whatever its kind."""
+        await self.resolve(step)
+        kinds = self._ready.get(step, set())
+        if not kinds:
+            raise NotFoundError(f"{self.store.url}: step {step} has no ready marker")
+        return await self.manifest(step, "patch" if "patch" in kinds else "anchor")
+
+    def reject(self, key: str, error: IntegrityError) -> None:
         """Forget a marker that does not verify; it is never listed again."""
-        key = layout.ready_key(step, kind)
         self.rejected[key] = f"{type(error).__name__}: {error}"
         self.last_rejection = error
-        self.forget(step, kind)
+        self._forget_key(key)
         # Markers published after a forged far-future one sort before it: list again from the newest kept.
-        kept = [layout.ready_key(s, k) for s, kinds in self._ready.items() for k in kinds]
-        self._last_key = max(kept, default=None)
+        kept = [*self._keys.values(), *self._unresolved.values()]
+        self._last_key = max((k for k in kept if k.startswith(layout.READY_PREFIX)), default=None)
+        self._last_anchor_key = max((k for k in kept if k.startswith(layout.ANCHOR_READY_PREFIX)), default=None)
         MARKERS_REJECTED.inc()
         log.warning("skipping ready marker %s%s: %s", self.store.url, key, self.rejected[key])
 
     def verified_marker(self, step: int) -> tuple[bytes, PatchManifest | AnchorManifest] | None:
         """The raw bytes and manifest of the last marker verified for a step (recent steps only)."""
-        return self._verified.get(step)
+        known = self._verified.get(step)
+        return None if known is None else (known[0], known[1])
 
     @property
     def last_listed(self) -> str | None:
@@ -145,35 +204,51 @@ class ChainClient:
         return self._last_key
 
     async def ready(self) -> dict[int, set[layout.Kind]]:
-        """Ready steps and their kinds, refreshed with one listing after the last key seen."""
-        await self.refresh()
+        """Ready steps and the kinds known of each, anchors included, refreshed with listings after the last keys."""
+        await self.refresh(anchors=True)
         return self._ready
 
     @property
     def listed(self) -> dict[int, set[layout.Kind]]:
-        """Ready steps and their kinds as of the last listing (no store request)."""
+        """Ready steps and the kinds known of each as of the last listing (no store request).
+
+        A step committed under its commit key has no kind here until a manifest read tells it
+        (`resolve`, `commit_manifest`, `manifest`, `walk`).
+        """
         return self._ready
 
     @property
     def ready_keys(self) -> set[str]:
-        """The ready keys of the last listing (no store request)."""
-        return {layout.ready_key(step, kind) for step, kinds in self._ready.items() for kind in kinds}
+        """The marker keys of the last listing (no store request)."""
+        return {*self._keys.values(), *self._unresolved.values()}
+
+    def key_of(self, step: int, kind: layout.Kind) -> str | None:
+        """The key of a step's marker of a kind, as listed; None if none is known."""
+        return self._keys.get((step, kind))
 
     def forget(self, step: int, kind: layout.Kind) -> None:
         """Drop a marker from the listing (retention removed it)."""
-        kinds = self._ready.get(step, set())
-        kinds.discard(kind)
-        if not kinds:
-            self._ready.pop(step, None)
+        if (key := self._keys.get((step, kind))) is not None:
+            self._forget_key(key)
+
+    def _forget_key(self, key: str) -> None:
+        for (step, kind), known in list(self._keys.items()):
+            if known == key:
+                del self._keys[(step, kind)]
+                self._ready.get(step, set()).discard(kind)
+        for step, known in list(self._unresolved.items()):
+            if known == key:
+                del self._unresolved[step]
+        for step in {s for s, kinds in self._ready.items() if not kinds and s not in self._unresolved}:
+            del self._ready[step]
 
     # --- manifests -----------------------------------------------------------------------------
-    async def marker(self, step: int, kind: layout.Kind) -> bytes:
+    async def marker(self, key: str) -> bytes:
         """The raw bytes of a ready marker, not yet verified; a marker gone since it was listed is forgotten."""
-        key = layout.ready_key(step, kind)
         try:
             data = await self.store.get(key, max_size=MAX_MANIFEST_BYTES)
         except NotFoundError:  # removed by retention since it was listed
-            self.forget(step, kind)
+            self._forget_key(key)
             raise
         self.bytes_downloaded += len(data)
         return data
@@ -182,32 +257,62 @@ class ChainClient:
         self, step: int, kind: layout.Kind, newer_than: int | None = None
     ) -> PatchManifest | AnchorManifest:
         """The verified manifest of a step's patch or anchor (a marker verified before is not read again)."""
-        key = layout.ready_key(step, kind)
+        await self.resolve(step)
+        if step not in self._ready:  # not listed (e.g. a publisher reading back what it wrote): found by name
+            await self._find(step, kind)
+        key = self._keys.get((step, kind))
+        if key is None:
+            raise NotFoundError(f"{self.store.url}: step {step} has no ready {kind} marker")
         known = self._verified.get(step)
-        if known is not None and known[1].kind == kind:  # markers never change (put-if-absent): no second GET
-            data, manifest = known
+        if known is not None and known[2] == key:  # markers never change (put-if-absent): no second GET
+            manifest = known[1]
             check_newer(manifest, newer_than, f"{self.store.url}{key}")
         else:
-            if self.speculate and kind == "patch":
-                await self._read_ahead(step)
-            data = await self.marker(step, kind)
-            # In a thread: a patch read ahead is hashed meanwhile (the event loop hands it over).
-            name = f"{self.store.url}{key}"
-            manifest = await asyncio.to_thread(verify_manifest, data, self.trusted, newer_than=newer_than, name=name)
-            self.manifests_verified += 1
-        if manifest.step < step:  # an old, validly signed manifest put back under a newer key
-            raise ReplayError(f"{self.store.url}{key}: holds the manifest of the older step {manifest.step} (replay)")
-        if manifest.step != step or manifest.kind != kind:
+            manifest = await self._read_verified(step, key, newer_than)
+        if manifest.kind != kind:
             raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
+        return manifest
+
+    async def _find(self, step: int, kind: layout.Kind) -> None:
+        """Learn the markers of a step no listing showed, by their names: its commit, and an anchor's own key."""
+        names = [layout.commit_key(step), layout.legacy_ready_key(step, kind)]
+        if kind == "anchor":
+            names.insert(1, layout.anchor_ready_key(step))
+        for key in names:
+            try:
+                found = await self._read_verified(step, key)
+            except NotFoundError:
+                continue
+            self._learn(step, found.kind, key)
+            if found.kind == kind:
+                return
+
+    async def _read_verified(
+        self, step: int, key: str, newer_than: int | None = None
+    ) -> PatchManifest | AnchorManifest:
+        """Read and verify the marker at `key`, listed for `step`: signature, step, stream."""
+        if self.speculate and not key.startswith(layout.ANCHOR_READY_PREFIX):  # a commit is mostly a patch
+            await self._read_ahead(step)
+        data = await self.marker(key)
+        # In a thread: a patch read ahead is hashed meanwhile (the event loop hands it over).
+        name = f"{self.store.url}{key}"
+        manifest = await asyncio.to_thread(verify_manifest, data, self.trusted, newer_than=newer_than, name=name)
+        self.manifests_verified += 1
+        if manifest.step < step:  # an old, validly signed manifest put back under a newer key
+            raise ReplayError(f"{name}: holds the manifest of the older step {manifest.step} (replay)")
+        if manifest.step != step:
+            raise IntegrityError(f"{name}: holds the {manifest.kind} manifest of step {manifest.step}")
+        if key.startswith(layout.ANCHOR_READY_PREFIX) and manifest.kind != "anchor":
+            raise IntegrityError(f"{name}: holds the {manifest.kind} manifest of step {manifest.step}")
         if self.stream_id is not None and manifest.stream_id != self.stream_id:
             raise ForeignStreamError(
-                f"{self.store.url}{key}: signed for stream {manifest.stream_id!r}, this chain is stream "
+                f"{name}: signed for stream {manifest.stream_id!r}, this chain is stream "
                 f"{self.stream_id!r} (copied from another run or prefix)"
             )
         self.published_at[step] = manifest.created
-        self._verified[step] = (data, manifest)
+        self._verified[step] = (data, manifest, key)
         while len(self._verified) > _VERIFIED_KEPT:  # bounded: a long run does not grow the client
-            oldest = min(self._verified)
+            oldest = min(s for s in self._verified if s != step)
             del self._verified[oldest]
             self.published_at.pop(oldest, None)
         return manifest
@@ -239,10 +344,13 @@ class ChainClient:
     ) -> tuple[layout.Walk, list[PatchManifest]]:
         """Follow base_step links from `start` (layout.walk_links) with verified patch manifests.
 
+        A commit whose kind is not known yet is read before `stop_at` is asked of it, unless
+        `stop_at` holds of its step already (a follower's held step costs no read).
         Returns the walk and the manifests passed through, oldest first (the order to apply them).
         """
         walker = layout.walk_links(start, stop_at)
         links: list[PatchManifest] = []
+        await self.resolve(start)
         try:
             at = next(walker)
             while True:
@@ -252,6 +360,8 @@ class ChainClient:
                     assert isinstance(link, PatchManifest)
                     links.append(link)
                     base = link.base_step
+                    if not stop_at(base):
+                        await self.resolve(base)
                 at = walker.send(base)
         except StopIteration as done:
             return done.value, links[::-1]
@@ -406,6 +516,8 @@ class ChainClient:
                     raise ForeignStreamError(
                         f"{self.store.url}: the chain to step {target} mixes streams {sorted(streams)}"
                     )
+                if not links and "patch" in ready.get(target, ()):  # the step's commit says which state it is
+                    await self._check_anchor_is_commit(anchor)
                 state, digest, files = await self.load_anchor(anchor)
             except (IntegrityError, NotFoundError) as e:
                 failed[walk.end] = e
@@ -414,6 +526,15 @@ class ChainClient:
             digest, history = await self.apply_chain(state, digest, links)
             return Reconstruction(target, state, digest, files, walk.end, len(links), history)
         raise failed[min(failed)]
+
+    async def _check_anchor_is_commit(self, anchor: AnchorManifest) -> None:
+        """IntegrityError unless an anchor of a step committed as a patch holds the state the commit signed."""
+        commit = await self.manifest(anchor.step, "patch")
+        if commit.state_digest.root != anchor.state_digest.root:
+            raise IntegrityError(
+                f"anchor {anchor.step}: state digest {anchor.state_digest.root} is not the one its step was committed "
+                f"with ({commit.state_digest.root})"
+            )
 
     async def apply_chain(
         self,

@@ -2,15 +2,21 @@
 
 {prefix}/patches/{step:012d}/...        patch payload object(s)
 {prefix}/anchors/{step:012d}/...        anchor shards, index, config files
-{prefix}/ready/{step:012d}.patch.json   signed patch manifest = its ready marker
-{prefix}/ready/{step:012d}.anchor.json  signed anchor manifest = its ready marker
+{prefix}/ready/{step:012d}.json         the step's commit: its signed manifest (a patch or an anchor)
+{prefix}/ready-anchors/{step:012d}.json the signed manifest of an anchor of a step committed as a patch
 {prefix}/retention/{step:012d}.{kind}.json  a marker retention removed: its payload, due for deletion
-{prefix}/pointer                        the newest marker's key, rewritten after each commit: a hint
+{prefix}/pointer                        the newest commit's key, rewritten after each commit: a hint
                                         that lets subscribers poll with a conditional GET, not a LIST
 
 Payload names inside a step's folder carry the writing publisher's run id, so two publishers (or a
-crashed attempt and its restart) never write the same payload key: nothing is ever overwritten,
-and the ready marker, written last with put-if-absent, decides which object set a step is.
+crashed attempt and its restart) never write the same payload key: nothing is ever overwritten.
+A step has one commit key whatever its kind, written last with put-if-absent: of two publishers
+racing for a step, exactly one commits it. An anchor uploaded after its step's patch committed is
+an extra, signed representation of the same state (ready-anchors/), written only by the
+publisher that committed the step.
+
+Older prefixes hold `ready/{step:012d}.patch.json` and `ready/{step:012d}.anchor.json` (one key per
+kind, `LEGACY_KINDS`); they are still read, never written.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
 _RUN_ID_RE = re.compile(r"[0-9a-z]{1,32}")
 READY_PREFIX = "ready/"
+ANCHOR_READY_PREFIX = "ready-anchors/"
 # [0-9], not \d (which takes any Unicode digit); fullmatch, since $ also matches before a final newline.
-_READY_RE = re.compile(r"([0-9]{12})\.(patch|anchor)\.json")
+_COMMIT_RE = re.compile(r"([0-9]{12})\.json")
+_KIND_RE = re.compile(r"([0-9]{12})\.(patch|anchor)\.json")  # legacy markers; tombstones
 _PAYLOAD_RE = re.compile(r"(?:patches|anchors)/([0-9]{12})/.+", re.DOTALL)
 _PATCH_RE = re.compile(r"patches/[0-9]{12}/patch-([0-9a-z]{1,32})\.bin")
 
@@ -79,35 +87,55 @@ def anchor_dir(step: int, run_id: str) -> str:
     return f"{anchor_prefix(step)}{_check_run_id(run_id)}/"
 
 
-def ready_key(step: int, kind: Kind) -> str:
-    """Key of a step's ready marker (its signed manifest)."""
+def commit_key(step: int) -> str:
+    """Key of a step's commit: the one ready marker put-if-absent decides, whatever the step's kind."""
+    return f"{READY_PREFIX}{step_name(step)}.json"
+
+
+def anchor_ready_key(step: int) -> str:
+    """Key of the signed manifest of an anchor added to a step its publisher committed as a patch."""
+    return f"{ANCHOR_READY_PREFIX}{step_name(step)}.json"
+
+
+def legacy_ready_key(step: int, kind: Kind) -> str:
+    """Key of a step's patch or anchor marker in older prefixes (read, never written)."""
     return f"{READY_PREFIX}{step_name(step)}.{kind}.json"
 
 
 @dataclass(frozen=True, order=True)
 class ReadyEntry:
-    """A parsed ready-marker key."""
+    """A parsed ready-marker key: its step, and its kind where the key says it (None: a commit key)."""
 
     step: int
-    kind: Kind
+    kind: Kind | None
 
 
-def parse_ready_key(key: str, folder: str = READY_PREFIX) -> ReadyEntry | None:
-    """(step, kind) of a ready-marker key (or, with folder=TOMBSTONE_PREFIX, a tombstone key), or None."""
-    name = key.removeprefix(folder)
-    match = _READY_RE.fullmatch(name) if name != key else None
-    if match is None:
+def parse_ready_key(key: str) -> ReadyEntry | None:
+    """The entry a key under ready/ names: a commit key (kind None) or a legacy marker key; None otherwise."""
+    name = key.removeprefix(READY_PREFIX)
+    if name == key:
         return None
-    return ReadyEntry(int(match.group(1)), match.group(2))  # type: ignore[arg-type]
+    if match := _COMMIT_RE.fullmatch(name):
+        return ReadyEntry(int(match.group(1)), None)
+    if match := _KIND_RE.fullmatch(name):
+        return ReadyEntry(int(match.group(1)), match.group(2))  # type: ignore[arg-type]
+    return None
+
+
+def parse_anchor_ready_key(key: str) -> int | None:
+    """The step an anchor marker key under ready-anchors/ names, or None."""
+    name = key.removeprefix(ANCHOR_READY_PREFIX)
+    match = _COMMIT_RE.fullmatch(name) if name != key else None
+    return int(match.group(1)) if match else None
 
 
 POINTER_KEY = "pointer"
 MAX_POINTER_BYTES = 256  # a marker key is 30 bytes; anything larger is not a pointer
 
 
-def pointer_body(step: int, kind: Kind) -> bytes:
-    """What the pointer holds after a commit: the key of the marker just written."""
-    return ready_key(step, kind).encode()
+def pointer_body(step: int) -> bytes:
+    """What the pointer holds after a commit: the key of the commit just written."""
+    return commit_key(step).encode()
 
 
 def step_of_payload(key: str) -> int | None:
@@ -122,6 +150,13 @@ TOMBSTONE_PREFIX = "retention/"
 def tombstone_key(step: int, kind: Kind) -> str:
     """Key of the record retention keeps of a removed ready marker until its payload is deleted."""
     return f"{TOMBSTONE_PREFIX}{step_name(step)}.{kind}.json"
+
+
+def parse_tombstone_key(key: str) -> tuple[int, Kind] | None:
+    """(step, kind) of a tombstone key, or None."""
+    name = key.removeprefix(TOMBSTONE_PREFIX)
+    match = _KIND_RE.fullmatch(name) if name != key else None
+    return (int(match.group(1)), match.group(2)) if match else None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

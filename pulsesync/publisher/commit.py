@@ -1,8 +1,10 @@
 """Manifest construction and commit: the one place the publisher builds manifests and writes ready markers.
 
-A step is committed when its signed manifest is written as the ready marker with put-if-absent,
-after every payload object it names is uploaded; a marker is never overwritten. Then the pointer
-(`layout.POINTER_KEY`) is rewritten to name it: a hint for polling subscribers, best effort.
+A step is committed when its signed manifest is written under the step's one commit key
+(`layout.commit_key`) with put-if-absent, after every payload object it names is uploaded; a marker
+is never overwritten. Then the pointer (`layout.POINTER_KEY`) is rewritten to name it: a hint for
+polling subscribers, best effort. An anchor uploaded after its step's patch committed goes to
+`layout.anchor_ready_key`, written only by the publisher whose patch committed the step.
 """
 
 from __future__ import annotations
@@ -77,9 +79,23 @@ def anchor_manifest(step: int, refs: list[ObjectRef], digest: StateDigest, sizes
     )
 
 
-async def write_ready_marker(store: Store, manifest: PatchManifest | AnchorManifest, key: Ed25519PrivateKey) -> None:
-    """Sign the manifest and write it as the step's ready marker; ConflictError if the marker exists."""
-    marker = layout.ready_key(manifest.step, manifest.kind)
+def marker_key(manifest: PatchManifest | AnchorManifest, step_committed: bool) -> str:
+    """Where a manifest goes: the step's commit key, or, for an anchor of a step this publisher committed
+    as a patch (`step_committed`), the anchor marker beside it."""
+    if manifest.kind == "anchor" and step_committed:
+        return layout.anchor_ready_key(manifest.step)
+    return layout.commit_key(manifest.step)
+
+
+async def write_ready_marker(
+    store: Store, manifest: PatchManifest | AnchorManifest, key: Ed25519PrivateKey, step_committed: bool = False
+) -> None:
+    """Sign the manifest and write it as a ready marker (`marker_key`); ConflictError if the marker exists.
+
+    A commit rewrites the pointer after it; an anchor added to a committed step does not (the newest
+    step did not change).
+    """
+    marker = marker_key(manifest, step_committed)
     try:
         await store.put_if_absent(marker, manifest.signed(key).to_bytes())
     except ConflictError:
@@ -87,8 +103,10 @@ async def write_ready_marker(store: Store, manifest: PatchManifest | AnchorManif
             f"step {manifest.step}: {store.url}{marker} already exists: another publisher writes to this "
             "prefix, or step numbers were reused; nothing was overwritten"
         ) from None
+    if step_committed:
+        return
     try:  # the step is committed; a stale pointer only delays subscribers until their next LIST
-        await store.put(layout.POINTER_KEY, layout.pointer_body(manifest.step, manifest.kind))
+        await store.put(layout.POINTER_KEY, layout.pointer_body(manifest.step))
     except StoreError as e:
         log.warning(
             "step %d committed, but the pointer %s%s was not updated: %s",

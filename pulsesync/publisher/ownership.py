@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass, field
 
 from pulsesync.errors import ConflictError, ForeignStreamError, IntegrityError, NotFoundError, UnknownKeyError
-from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest
 
@@ -36,54 +35,51 @@ class OtherStream:
         )
 
 
-async def classify(
-    chain: ChainClient, step: int, kind: layout.Kind
-) -> PatchManifest | AnchorManifest | OtherStream | None:
-    """A listed marker: ours (verified), another stream's, or None (gone, or junk: rejected in `chain`)."""
-    try:
-        return await chain.manifest(step, kind)
-    except NotFoundError:
-        return None
-    except (UnknownKeyError, ForeignStreamError) as e:
+async def classify(chain: ChainClient, step: int) -> PatchManifest | AnchorManifest | OtherStream | None:
+    """A listed step's commit: ours (verified), another stream's, or None (gone, or junk: rejected in `chain`)."""
+    while (key := chain.commit_key_of(step)) is not None:  # a legacy step's other marker after a junk one
         try:
-            other = parse_manifest(await chain.marker(step, kind), layout.ready_key(step, kind))
+            return await chain.commit_manifest(step)
         except NotFoundError:
-            return None
-        except IntegrityError:  # does not even parse: junk, whoever's key id it names
-            chain.reject(step, kind, e)
-            return None
-        return OtherStream(f"{chain.store.url}{layout.ready_key(step, kind)}", other.key_id, other.stream_id)
-    except IntegrityError as e:  # forged with our key id, malformed, a replayed copy: no publisher wrote it
-        chain.reject(step, kind, e)
-        return None
+            continue
+        except (UnknownKeyError, ForeignStreamError) as e:
+            try:
+                other = parse_manifest(await chain.marker(key), key)
+            except NotFoundError:
+                continue
+            except IntegrityError:  # does not even parse: junk, whoever's key id it names
+                chain.reject(key, e)
+                continue
+            return OtherStream(f"{chain.store.url}{key}", other.key_id, other.stream_id)
+        except IntegrityError as e:  # forged with our key id, malformed, a replayed copy: no publisher wrote it
+            chain.reject(key, e)
+    return None
 
 
 async def newest_own(chain: ChainClient, take_over: bool, new_stream: str) -> tuple[int | None, int]:
-    """The newest listed step whose marker is ours, and the step new ones must follow (-1: any).
+    """The newest listed step whose commit is ours, and the step new ones must follow (-1: any).
 
-    ConflictError at a newer marker of another stream. Junk markers are skipped (a forged
-    far-future key must not stop publishing). With `take_over`, another stream's marker ends the
-    search instead: the publisher starts stream `new_stream`, with steps newer than that marker's.
+    ConflictError at a newer commit of another stream. Junk markers are skipped (a forged
+    far-future key must not stop publishing). With `take_over`, another stream's commit ends the
+    search instead: the publisher starts stream `new_stream`, with steps newer than that commit's.
     """
     for step in sorted(chain.listed, reverse=True):
-        for kind in sorted(chain.listed.get(step, ())):
-            found = await classify(chain, step, kind)
-            if isinstance(found, OtherStream):
-                if not take_over:
-                    raise found.conflict(step)
-                log.warning(
-                    "taking over %s: it holds %s (key %s, stream %s); a new stream %s starts with an anchor "
-                    "after step %d",
-                    chain.store.url,
-                    found.key,
-                    found.key_id,
-                    found.stream_id or "-",
-                    new_stream,
-                    step,
-                )
-                return None, step
-            if found is not None:
-                return step, -1
+        found = await classify(chain, step)
+        if isinstance(found, OtherStream):
+            if not take_over:
+                raise found.conflict(step)
+            log.warning(
+                "taking over %s: it holds %s (key %s, stream %s); a new stream %s starts with an anchor after step %d",
+                chain.store.url,
+                found.key,
+                found.key_id,
+                found.stream_id or "-",
+                new_stream,
+                step,
+            )
+            return None, step
+        if found is not None:
+            return step, -1
     return None, -1
 
 
@@ -98,25 +94,21 @@ class PrefixGuard:
         """Remember a marker this publisher is writing, so the next listing does not take it for another's."""
         self.own.add(key)
 
-    async def scan(self) -> dict[int, set[layout.Kind]]:
-        """Ready markers others wrote since the last scan, by step."""
-        found: dict[int, set[layout.Kind]] = {}
-        for entry, info in await self.chain.refresh():
-            if info.key not in self.own:
-                found.setdefault(entry.step, set()).add(entry.kind)
+    async def scan(self) -> set[int]:
+        """The steps others committed since the last scan."""
+        found = {entry.step for entry, info in await self.chain.refresh() if info.key not in self.own}
         seen = self.chain.last_listed or ""
         self.own = {k for k in self.own if k > seen}  # only markers not listed yet matter
         return found
 
     async def check(self, step: int) -> None:
         """ConflictError if another publisher (another stream, or ours) committed to the prefix since the last look."""
-        for other, kinds in sorted((await self.scan()).items()):
-            for kind in sorted(kinds):
-                found = await classify(self.chain, other, kind)
-                if isinstance(found, OtherStream):
-                    raise found.conflict(step)
-                if found is not None:  # signed by our key for our stream: a copy of this job
-                    raise ConflictError(
-                        f"step {step}: another publisher wrote step {other} to {self.chain.store.url}; stopping so "
-                        "the chain does not fork"
-                    )
+        for other in sorted(await self.scan()):
+            found = await classify(self.chain, other)
+            if isinstance(found, OtherStream):
+                raise found.conflict(step)
+            if found is not None:  # signed by our key for our stream: a copy of this job
+                raise ConflictError(
+                    f"step {step}: another publisher wrote step {other} to {self.chain.store.url}; stopping so "
+                    "the chain does not fork"
+                )

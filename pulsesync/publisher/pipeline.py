@@ -39,7 +39,7 @@ from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient, Reconstruction
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
-from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
+from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.host_copy import HostCopy, HostCopyPool
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
@@ -127,6 +127,8 @@ class AsyncPublisher:
             if self.config.resume:
                 self._base = await resume_baseline(self._chain, ready, self.config.cache_dir, self.config.codec.threads)
                 if self._base is not None:
+                    with contextlib.suppress(PulseSyncError):  # the kinds since the last anchor, for the schedule
+                        await self._chain.walk(max(ready), lambda s: "anchor" in ready.get(s, ()))
                     self._schedule.resume(ready)
                 if isinstance(self._base, Reconstruction) and self._base.history is not None:
                     last_patch = await self._chain.manifest(self._base.step, "patch")
@@ -371,7 +373,10 @@ class AsyncPublisher:
             )
         return full
 
-    async def _publish_anchor(self, step: int, state: State, digest: StateDigest, timing: tuple[float, float]) -> None:
+    async def _publish_anchor(
+        self, step: int, state: State, digest: StateDigest, timing: tuple[float, float], step_committed: bool = False
+    ) -> None:
+        """Write, upload and commit an anchor: the step's commit, or (`step_committed`) an anchor added to it."""
         report = StepReport(step, "anchor", snapshot_s=timing[0], digest_s=timing[1])
         report.dense_bytes = dense_bytes(state)
         report.elements = report.changed_elements = sum(t.numel() for t in state.values())
@@ -394,7 +399,7 @@ class AsyncPublisher:
             t2 = time.perf_counter()
             report.wire_bytes = sum(r.size for r in refs)
             shards = sum(1 for n in names if n.endswith(WEIGHT_SUFFIX))
-            await self._commit(anchor_manifest(step, refs, digest, report.sizes(), shards))
+            await self._commit(anchor_manifest(step, refs, digest, report.sizes(), shards), step_committed)
             report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
             report.ok = True
             self._schedule.anchor_committed(step)
@@ -409,7 +414,7 @@ class AsyncPublisher:
     async def _background_anchor(self, step: int, state: dict[str, torch.Tensor], digest: StateDigest) -> None:
         """The anchor of a step whose patch is committed; the chain goes on while it uploads."""
         try:
-            await self._publish_anchor(step, state, digest, (0.0, 0.0))
+            await self._publish_anchor(step, state, digest, (0.0, 0.0), step_committed=True)
         except ConflictError as e:
             self._fatal = e
             log.error("anchor %d: %s", step, e)
@@ -423,10 +428,11 @@ class AsyncPublisher:
         self.reports.append(report)
         report.record()
 
-    async def _commit(self, manifest: PatchManifest | AnchorManifest) -> None:
-        """Write the signed manifest as the step's ready marker; never overwrites."""
-        self._guard.wrote(layout.ready_key(manifest.step, manifest.kind))
-        await write_ready_marker(self.store, manifest.model_copy(update={"stream_id": self.stream_id}), self._key)
+    async def _commit(self, manifest: PatchManifest | AnchorManifest, step_committed: bool = False) -> None:
+        """Write the signed manifest as a ready marker (the step's commit unless `step_committed`); never overwrites."""
+        self._guard.wrote(marker_key(manifest, step_committed))
+        signed = manifest.model_copy(update={"stream_id": self.stream_id})
+        await write_ready_marker(self.store, signed, self._key, step_committed)
 
 
 def multi_rank() -> bool:

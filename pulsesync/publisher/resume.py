@@ -26,7 +26,7 @@ async def resume_baseline(
     if cache_dir is not None:
         cached = await asyncio.to_thread(state_cache.load, cache_dir, threads)
         if cached is not None and cached.step == newest:
-            manifest = await chain.manifest(newest, "patch" if "patch" in ready[newest] else "anchor")
+            manifest = await chain.commit_manifest(newest)
             if manifest.state_digest.root == cached.digest.root:
                 log.info("resumed at step %d from cache %s (digest %s)", newest, cache_dir, cached.digest.root)
                 return cached

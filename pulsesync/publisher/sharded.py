@@ -46,7 +46,7 @@ from pulsesync.model_dir import PIECES_FILE, write_pieces
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import ObjectRef, Sizes
-from pulsesync.publisher.commit import anchor_manifest, patch_manifest, write_ready_marker
+from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.host_copy import HostCopyPool
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
@@ -148,6 +148,7 @@ class ShardedPublisher:
         self._keep: frozenset[str] | None = None
         self._layout: dict[str, list[Piece]] = {}
         self._digest: StateDigest | None = None  # rank 0: the whole model's, at the last committed step
+        self._committed_step = -1  # rank 0: the last step whose commit marker it wrote
         self._anchor_next = True
         self._fatal: BaseException | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.max_pending)
@@ -412,8 +413,11 @@ class ShardedPublisher:
             records = dict(sorted(codings.items()))
             manifest = patch_manifest(snap.step, base, anchor_step, objects, digest, sizes, params, None, records)
         await self._guard.check(snap.step)
-        self._guard.wrote(layout.ready_key(snap.step, kind))
-        await write_ready_marker(self.store, manifest.model_copy(update={"stream_id": self.stream_id}), self._key)
+        step_committed = kind == "anchor" and self._committed_step == snap.step  # its patch round committed
+        self._guard.wrote(marker_key(manifest, step_committed))
+        signed = manifest.model_copy(update={"stream_id": self.stream_id})
+        await write_ready_marker(self.store, signed, self._key, step_committed)
+        self._committed_step = snap.step
         self._digest = digest
         log.info("step %d: %s committed from %d ranks (digest %s)", snap.step, kind, len(parts), digest.root)
         return _Outcome(True, root=digest.root, wire_bytes=wire)

@@ -41,6 +41,7 @@ class Published:
     marker_size: int = 0
     # The signed manifest goes into the tombstone; it is read again then, not held by every entry.
     marker_sha256: str = ""
+    marker_key: str = ""  # where the marker is: its step's commit key, an anchor marker, or a legacy key
 
     @property
     def entry(self) -> Entry:
@@ -125,7 +126,7 @@ class Plan:
         out = [
             f"keep {n} patches after step {step} for subscriber {who} (fleet status)" for who, step, n in self.for_fleet
         ]
-        out += [f"remove ready marker {layout.ready_key(p.step, p.kind)}" for p in self.unmark]
+        out += [f"remove ready marker {p.marker_key}" for p in self.unmark]
         for t in self.purge:
             out += [f"delete {key} ({size} bytes)" for key, size in t.objects]
             out.append(f"delete {t.key}")

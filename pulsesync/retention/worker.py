@@ -63,24 +63,33 @@ class RetentionWorker:
         # Every ready key, every run: an anchor's marker is written after later patches' (it uploads
         # in the background), so a listing after the newest key seen would miss it. Deleted keys
         # cost nothing in a listing: this is O(the markers kept), not O(history).
-        listed = await self.chain.refresh(from_start=True)
+        listed = await self.chain.refresh(from_start=True, anchors=True)
         present = self.chain.ready_keys
-        self._manifests = {e: p for e, p in self._manifests.items() if layout.ready_key(*e) in present}
+        self._manifests = {e: p for e, p in self._manifests.items() if p.marker_key in present}
+        known = {p.marker_key: p for p in self._manifests.values()}
         for entry, info in listed:
-            if (entry.step, entry.kind) in self._manifests:
+            if (kept := known.get(info.key)) is not None:  # verified in an earlier run: its kind is known
+                self.chain.learned(kept.step, kept.kind, info.key)
                 continue
             try:
-                manifest = await self.chain.manifest(entry.step, entry.kind)
+                # A commit key says its kind only in its manifest; a legacy or anchor key says it in its name.
+                if entry.kind is None:
+                    manifest = await self.chain.commit_manifest(entry.step)
+                else:
+                    manifest = await self.chain.manifest(entry.step, entry.kind)
                 data = self.chain.verified_marker(entry.step)[0]  # type: ignore[index]
             except NotFoundError:
                 continue  # removed since the listing
             except IntegrityError as e:
                 self._skip(info.key, f"{type(e).__name__}: {e}")
                 continue
+            if self.chain.key_of(entry.step, manifest.kind) != info.key:
+                continue  # a second anchor of a step whose commit is one: the commit is the anchor kept
             base = manifest.base_step if isinstance(manifest, PatchManifest) else None
             objects = tuple((ref.key, ref.size) for ref in manifest.objects)
             sha = hashlib.sha256(data).hexdigest()
-            self._manifests[(entry.step, entry.kind)] = Published(entry.step, entry.kind, base, objects, info.size, sha)
+            published = Published(entry.step, manifest.kind, base, objects, info.size, sha, info.key)
+            self._manifests[published.entry] = published
         tombstones: dict[str, Tombstone] = {}
         async for info in self.store.list(layout.TOMBSTONE_PREFIX):
             try:
@@ -104,7 +113,7 @@ class RetentionWorker:
 
     async def _marker(self, published: Published) -> bytes | None:
         """The signed marker retention verified for an entry, read again for its tombstone; None if gone or changed."""
-        key = layout.ready_key(published.step, published.kind)
+        key = published.marker_key
         try:
             data = await self.store.get(key, max_size=MAX_MANIFEST_BYTES)
         except NotFoundError:
@@ -126,7 +135,7 @@ class RetentionWorker:
             if marker is not None:
                 tombstone = Tombstone(p.step, p.kind, p.objects, now, marker)
                 await self.store.put(tombstone.key, tombstone.to_bytes())
-                await self.store.delete_many([layout.ready_key(p.step, p.kind)])
+                await self.store.delete_many([p.marker_key])
                 metrics.RETENTION_DELETED_OBJECTS.labels("marker").inc()
             self._manifests.pop(p.entry, None)
             self.chain.forget(p.step, p.kind)
@@ -166,15 +175,15 @@ async def read_tombstone(store: Store, key: str, trusted: Mapping[str, Ed25519Pu
     Any bytes in the store raise ValueError or a PulseSyncError, never anything else. With
     `trusted` None the marker is parsed, not verified: for display only (`inspect` without keys).
     """
-    entry = layout.parse_ready_key(key, layout.TOMBSTONE_PREFIX)
+    entry = layout.parse_tombstone_key(key)
     if entry is None:
         raise ValueError("not a tombstone key")
     name = f"{store.url}{key}"
     marker, removed_at = Tombstone.parse(await store.get(key, max_size=2 * MAX_MANIFEST_BYTES))
     manifest = parse_manifest(marker, name) if trusted is None else verify_manifest(marker, trusted, name=name)
-    if (manifest.step, manifest.kind) != (entry.step, entry.kind):
+    if (manifest.step, manifest.kind) != entry:
         raise IntegrityError(f"{name}: it holds the {manifest.kind} manifest of step {manifest.step}")
-    return Tombstone(entry.step, entry.kind, tuple((ref.key, ref.size) for ref in manifest.objects), removed_at)
+    return Tombstone(*entry, tuple((ref.key, ref.size) for ref in manifest.objects), removed_at)
 
 
 def _count_deleted(kind: str, objects: int, size: int) -> None:

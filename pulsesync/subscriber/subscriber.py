@@ -254,20 +254,22 @@ class Subscriber:
             store_stream = None
             try:
                 newest = await self.chain.newest_verified()  # with the pin set, another stream's markers are skipped
-                kinds = (await self.chain.ready()).get(cached.step, set())
+                listed = cached.step in await self.chain.ready()
                 if newest is not None:
                     store_stream = self.chain.verified_marker(newest)[1].stream_id  # type: ignore[index]
             except StoreError as e:  # unreachable for now: the cached copy of the marker decides
                 log.warning("checking %s against the store's markers: %s", where, e)
-                kinds = set()
+                listed = False
             manifest = None
-            if kinds:
+            if listed:
                 try:
-                    manifest = await self.chain.manifest(cached.step, sorted(kinds)[0])
+                    manifest = await self.chain.commit_manifest(cached.step)
                 except IntegrityError as e:  # e.g. rewritten by another stream: the cached copy still vouches
                     if own is None:
                         raise
                     log.warning("%s: the store's marker of step %d does not verify (%s)", where, cached.step, e)
+                except NotFoundError:  # removed since the listing
+                    pass
             if manifest is None:
                 if own is None:
                     raise NotFoundError(

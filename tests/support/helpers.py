@@ -14,7 +14,10 @@ from safetensors.torch import save_file
 from pulsesync.codec import PatchDecoder, RecordKind
 from pulsesync.codec.format import PatchHeader, RecordHeader, encode_header, encode_record_header
 from pulsesync.dtypes import DTYPES, NP_INT_OF_WIDTH, DTypeInfo
+from pulsesync.protocol import layout
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.store import Store
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 # Bit patterns every float codec must survive: NaNs (quiet, signalling, negative), +-Inf, -0.0,
@@ -181,3 +184,22 @@ def assemble_patch(
     count = len(records) if end_count is None else end_count
     parts.append(encode_record_header(RecordHeader(RecordKind.END, "", None, count=count)))
     return b"".join(parts)
+
+
+async def ready_kinds(chain: ChainClient) -> dict[int, set[str]]:
+    """Every ready step's kinds, each commit read to learn its own (a listing alone does not say it)."""
+    for step in list(await chain.ready()):
+        await chain.resolve(step)
+    return {step: set(kinds) for step, kinds in chain.listed.items()}
+
+
+async def anchor_marker(store: Store, step: int) -> str:
+    """The key of a step's anchor marker: beside its patch commit, or the commit itself (an anchor-only step)."""
+    beside = layout.anchor_ready_key(step)
+    return beside if await store.exists(beside) else layout.commit_key(step)
+
+
+def anchor_marker_path(root: Path, step: int) -> Path:
+    """anchor_marker in a file store's directory."""
+    beside = root / layout.anchor_ready_key(step)
+    return beside if beside.exists() else root / layout.commit_key(step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pulsesync.protocol.layout import ready_key
+from pulsesync.protocol.layout import commit_key
 from pulsesync.protocol.signing import load_private_key
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     flag = Path(argv[5]) if len(argv) > 5 else None
 
     def hook(op: str, k: str) -> None:
-        if stall is not None and flag is not None and k == ready_key(stall, "patch"):
+        if stall is not None and flag is not None and k == commit_key(stall):
             stall_forever(flag)
 
     store = RecordingStore(FileStore(store_dir), hook)
