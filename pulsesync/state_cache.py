@@ -142,17 +142,27 @@ def truncate_journal(cache_dir: Path, from_step: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def _history_sha256(chunks: list[ChunkHistory]) -> str:
+    """A hash of a history's contents: a publisher codes against it, so a damaged file must not pass."""
+    sha = hashlib.sha256()
+    for chunk in chunks:
+        sha.update(chunk.positions.tobytes())
+        sha.update(chunk.deltas.tobytes())
+    return sha.hexdigest()
+
+
 def _save_history(history: PatchHistory, path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for i, chunk in enumerate(history.chunks.values()):
         tensors[f"{i}.positions"] = torch.from_numpy(chunk.positions)
         tensors[f"{i}.deltas"] = torch.from_numpy(chunk.deltas)
-    keys = json.dumps({"sha256": history.sha256, "chunks": [list(k) for k in history.chunks]})
+    contents = _history_sha256(list(history.chunks.values()))
+    keys = json.dumps({"sha256": history.sha256, "chunks": [list(k) for k in history.chunks], "contents": contents})
     save_file(tensors, str(path), metadata={"history": keys})
 
 
 def _load_history(path: Path) -> PatchHistory | None:
-    """The cached history, or None. Not trusted: a wrong one only fails the next patch's digest check."""
+    """The cached history, or None (missing, unreadable, or not what was saved: its contents hash differs)."""
     if not path.is_file():
         return None
     try:
@@ -162,6 +172,8 @@ def _load_history(path: Path) -> PatchHistory | None:
             for i, (name, start, length) in enumerate(meta["chunks"]):
                 positions, deltas = f.get_tensor(f"{i}.positions").numpy(), f.get_tensor(f"{i}.deltas").numpy()
                 history.chunks[(str(name), int(start), int(length))] = ChunkHistory(positions, deltas)
+        if _history_sha256(list(history.chunks.values())) != meta.get("contents"):
+            raise ValueError("its contents do not match the hash saved with them")
         return history
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
         log.warning("ignoring the cached patch history %s: unreadable (%s)", path, e)

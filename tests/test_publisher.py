@@ -16,6 +16,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import REGISTRY
 
+from pulsesync import state_cache
 from pulsesync.errors import ConflictError, StoreError
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
@@ -242,6 +243,53 @@ async def test_resume_uses_the_cache_when_its_digest_matches_else_rebuilds(
         from_anchor = any(k.startswith("anchors/") for k in store.reads)
         assert from_anchor == (case != "cache"), case
     await assert_every_step_rebuilds(FileStore(store_dir), key, states)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["rebuilt-from-the-store", "from-cache_dir"])
+async def test_a_publisher_restarted_every_step_writes_the_bytes_an_uninterrupted_one_does(
+    tmp_path: Path, key: Ed25519PrivateKey, cache: bool
+) -> None:
+    """A checkpoint hook runs one publisher per step: each step must be coded as a long-lived publisher codes it,
+    history coding included (from a cache_dir, the history of the cached step's patch is kept beside it)."""
+    steps = 12
+    states = trainer_states(steps)
+    settings = config(anchor_interval=5, resume=True)
+    whole = FileStore(tmp_path / "whole")
+    await publish_steps(whole, key, range(steps), settings)
+    restarted = FileStore(tmp_path / "restarted")
+    each = settings.model_copy(update={"cache_dir": tmp_path / "cache" if cache else None})
+    for step in range(steps):
+        async with AsyncPublisher(each, store=restarted, signing_key=key) as publisher:
+            await publisher.publish(step, states[step])
+
+    chains = [ChainClient(s, trusted(key)) for s in (whole, restarted)]  # type: ignore[arg-type]
+    kinds = [await ready_kinds(c) for c in chains]
+    assert kinds[0] == kinds[1]
+    history_coded = 0
+    for step in (s for s, of_step in kinds[0].items() if "patch" in of_step):
+        patches = [await c.manifest(step, "patch") for c in chains]
+        data = [await s.get(m.objects[0].key) for s, m in zip((whole, restarted), patches, strict=True)]
+        assert data[0] == data[1], f"step {step}: {len(data[0])} bytes uninterrupted, {len(data[1])} restarted"
+        history_coded += patches[0].reference is not None
+    assert history_coded >= 3  # the case that differed: patches coded against the previous one
+    await assert_every_step_rebuilds(restarted, key, states)
+
+
+async def test_a_damaged_cached_history_is_not_coded_against(tmp_path: Path, key: Ed25519PrivateKey) -> None:
+    """A publisher codes its next patch against the cached history: a damaged one is dropped, never used."""
+    store, cache = FileStore(tmp_path / "store"), tmp_path / "cache"
+    states = trainer_states(9)
+    settings = config(anchor_interval=100, resume=True, cache_dir=cache)
+    await publish_steps(store, key, range(8), settings)
+    history = cache / state_cache.HISTORY_FILE
+    data = bytearray(history.read_bytes())
+    data[-1] ^= 0x01  # the last delta of the last chunk
+    history.write_bytes(bytes(data))
+    async with AsyncPublisher(settings, store=store, signing_key=key) as publisher:
+        await publisher.publish(8, states[8])
+    patch8 = verify_manifest(await store.get(layout.commit_key(8)), trusted(key))  # type: ignore[arg-type]
+    assert isinstance(patch8, PatchManifest) and patch8.reference is None
+    await assert_every_step_rebuilds(store, key, states)
 
 
 async def test_backpressure_skip_publishes_the_newest_and_counts(tmp_path: Path, key: Ed25519PrivateKey) -> None:

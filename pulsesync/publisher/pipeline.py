@@ -130,14 +130,27 @@ class AsyncPublisher:
                     with contextlib.suppress(PulseSyncError):  # the kinds since the last anchor, for the schedule
                         await self._chain.walk(max(ready), lambda s: "anchor" in ready.get(s, ()))
                     self._schedule.resume(ready)
-                if isinstance(self._base, Reconstruction) and self._base.history is not None:
-                    last_patch = await self._chain.manifest(self._base.step, "patch")
-                    self._history, self._history_ref = self._base.history, last_patch.objects[0]
+                await self._resume_history()
         metrics.serve(self.config.metrics_port)
         self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
         if self.config.retention is not None:  # the retention worker, in this process
             worker = RetentionWorker(self.store, self.config.retention, self._chain.trusted)
             self._retention = asyncio.create_task(worker.run(self._stop_retention), name="pulsesync-retention")
+
+    async def _resume_history(self) -> None:
+        """Take up the history of the baseline's patch (rebuilt, or cached beside the state), so the next patch
+        is history-coded as an uninterrupted publisher codes it; a history that is not that patch's is dropped."""
+        history = self._base.history if isinstance(self._base, (Reconstruction, state_cache.CachedState)) else None
+        if history is None or self._base is None:
+            return
+        last_patch = await self._chain.manifest(self._base.step, "patch")
+        if len(last_patch.objects) == 1 and last_patch.objects[0].sha256 == history.sha256:
+            self._history, self._history_ref = history, last_patch.objects[0]
+        else:
+            log.warning(
+                "step %d: the cached patch history is not its patch's; the next patch is coded without it",
+                self._base.step,
+            )
 
     async def flush(self) -> None:
         """Wait until every accepted step is committed or failed, background anchors included."""
@@ -163,7 +176,7 @@ class AsyncPublisher:
                     await self._worker
             await self.store.close()
         if self.config.cache_dir is not None and self._base is not None:
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, self._base)
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, self._base, history=self._history)
 
     async def __aenter__(self) -> AsyncPublisher:
         await self.start()
