@@ -1,4 +1,4 @@
-"""Two publishers racing for one step: the step's one commit key lets put-if-absent pick exactly one.
+"""One commit key per step: of two publishers racing for a step exactly one commits; older prefixes still read.
 
 A careless relaunch or a second copy of a training job can pass every check a publisher makes
 before it commits at the same moment as the first. When a step had a key per kind, one could
@@ -20,8 +20,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync.errors import ConflictError
 from pulsesync.protocol import layout
+from pulsesync.protocol.manifest import parse_manifest
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.retention import RetentionPolicy, RetentionWorker
 from pulsesync.store import FileStore, S3Store, Store
 from tests.support.helpers import assert_states_equal, trainer_states
 from tests.support.recording_store import RecordingStore
@@ -118,3 +120,53 @@ async def test_two_publishers_racing_for_a_step_commit_exactly_one(
     assert sub.state is not None
     assert_states_equal(sub.state, states[winners[0]])  # the winner's state, whichever won
     await sub.close()
+
+
+def to_legacy_layout(root: Path) -> None:
+    """Rename a file store's markers to the layout before the commit key: a key per kind under ready/."""
+    for commit in sorted((root / "ready").iterdir()):
+        kind = parse_manifest(commit.read_bytes()).kind
+        commit.rename(root / layout.legacy_ready_key(int(commit.name[:12]), kind))
+    for anchor in sorted((root / "ready-anchors").iterdir()):
+        anchor.rename(root / layout.legacy_ready_key(int(anchor.name[:12]), "anchor"))
+    (root / "ready-anchors").rmdir()
+
+
+async def test_a_prefix_in_the_older_layout_is_followed_continued_and_pruned(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    root = tmp_path / "store"
+    states = trainer_states(12)
+    settings = PublisherConfig(anchor_interval=4, resume=True, on_backpressure="block")
+    with Publisher(settings, store=FileStore(root), signing_key=key) as publisher:
+        for step in range(8):
+            publisher.publish(step, states[step])
+    to_legacy_layout(root)
+    assert sorted(p.name for p in (root / "ready").iterdir())[:3] == [
+        "000000000000.anchor.json",
+        "000000000001.patch.json",
+        "000000000002.patch.json",
+    ]
+    sub = subscriber(FileStore(root), key)
+    assert ((await sub.sync()).step, sub.step) == (7, 7)  # slow path: legacy anchor 4 + legacy patches
+    assert_states_equal(sub.state, states[7])  # type: ignore[arg-type]
+
+    with Publisher(settings, store=FileStore(root), signing_key=key) as publisher:  # resumes, then commit keys
+        for step in range(8, 12):
+            publisher.publish(step, states[step])
+    assert (root / layout.commit_key(8)).exists() and (root / layout.anchor_ready_key(8)).exists()
+    result = await sub.sync()
+    assert (result.step, result.path) == (11, "chain")  # legacy patch 7's history, then the new patches
+    assert_states_equal(sub.state, states[11])  # type: ignore[arg-type]
+    await sub.close()
+
+    policy = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0)
+    plan = await RetentionWorker(FileStore(root), policy, subscriber(FileStore(root), key).chain.trusted).run_once()
+    assert {p.marker_key for p in plan.unmark} >= {
+        layout.legacy_ready_key(0, "anchor"),
+        layout.legacy_ready_key(1, "patch"),
+    }
+    fresh = subscriber(FileStore(root), key)
+    for step in (10, 11):
+        rebuilt = await fresh.chain.reconstruct(step)
+        assert_states_equal(rebuilt.state, states[step])
