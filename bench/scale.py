@@ -22,9 +22,11 @@ Measured, per size:
   fast_over_floor        fast_s / floor_s; `fast_path_over_floor` in the JSON is the worst size's
   after_idle_s           median seconds of a fast-path step taken after IDLE_SECONDS of the subscriber
                          idle (steps published after those above), as a subscriber whose trainer
-                         steps every few seconds syncs; `fast_after_idle_over_floor`: the worst
-                         size's over its floor (reported, not a contract: ~1.5x the back-to-back
-                         step on the 2-vCPU VM of docs/benchmarks.md, its cause not confirmed)
+                         steps every few seconds syncs
+  floor_after_idle_s     the floor measured after the same idle (caches and TLB as cold for it);
+                         `after_idle_over_floor`: the worst size's after_idle_s over it (reported,
+                         not a contract), `after_idle_over_warm_floor` over floor_s
+Every time is the median of RUNS (3) subscriber processes' medians, each run's own in `*_runs`.
   publisher_peak/model   peak RSS of the publisher process beyond the trainer's own state
   subscriber_peak/model  peak RSS of the subscriber process beyond its imports (cold start
                          included), and of the fast-path steps alone
@@ -34,7 +36,7 @@ Fan-out: N subscribers (asyncio tasks, each its own S3 client) follow one publis
 (moto where the weed binary is missing); all must converge bit-exact every step; per step, the
 store's requests and bytes served. Baseline in the same run: the smallest model's fast path.
 
-    python bench/scale.py --quick --json out.json   # 10 + 3 steps a size, < 4 minutes: the CI contract
+    python bench/scale.py --quick --json out.json   # 10 + 3 steps a size, 3 subscriber runs, ~8 minutes: the CI contract
     python bench/scale.py --huge                    # 0.5B-2B parameters, plus one tensor > 2**31 elements
 """
 
@@ -167,6 +169,8 @@ if fused.numba is not None:
 
 
 FLOOR_STEPS = 10**6  # the floor's positions: those of steps 10**6 + s, never applied
+IDLE_FLOOR_STEPS = 2 * 10**6  # the after-idle floor's: never applied either, nor the warm floor's
+RUNS = 3  # subscriber runs per size: each figure is the median of the runs' medians
 
 
 def memory_floor(state: dict[str, torch.Tensor], first_step: int, steps: int, changes: int) -> list[float]:
@@ -273,12 +277,16 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
         calls.update(store.calls)
     fast_peak = rss("VmHWM") - before
     fast_over = (rss("VmHWM") - fast_rss0) / model
-    after_idle = []
-    for step in range(spec["steps"] + 1, last_step(spec) + 1):
+    after_idle, idle_floors = [], []
+    for i, step in enumerate(range(spec["steps"] + 1, last_step(spec) + 1)):
         await asyncio.sleep(IDLE_SECONDS)
         result = await sub.sync(step)
         assert result.path == "fast", result
         after_idle.append(result.seconds)
+        # The floor after the same idle: caches and TLB as cold for it as for the step.
+        await asyncio.sleep(IDLE_SECONDS)
+        assert sub.state is not None
+        idle_floors += memory_floor(sub.state, IDLE_FLOOR_STEPS + i, 1, spec["changes"])
     await sub.close()
     held = sub.state
     # Measured after the steps (measured between them, its million random writes slowed the steps
@@ -297,6 +305,8 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
         "floor_s_all": floors,
         "after_idle_s": statistics.median(after_idle) if after_idle else None,
         "after_idle_s_all": after_idle,
+        "floor_after_idle_s": statistics.median(idle_floors) if idle_floors else None,
+        "floor_after_idle_s_all": idle_floors,
         "cache_bytes": cache_bytes,
         "requests": {op: n / steps for op, n in sorted(calls.items())},
         "peak_over_model": max(cold_peak, fast_peak) / model,
@@ -315,37 +325,53 @@ def child(role: str, spec: Spec, store_dir: Path, key_pem: bytes, cache_dir: Pat
     return dict(json.loads(done.stdout.decode().strip().splitlines()[-1]))
 
 
-def measure_size(spec: Spec, key_pem: bytes) -> dict[str, Any]:
-    """Publisher then subscriber (one at a time: each process's peak is its own)."""
+def measure_size(spec: Spec, key_pem: bytes, runs: int = RUNS) -> dict[str, Any]:
+    """Publisher, then `runs` subscribers one after another (each process's peak is its own); per time, the median
+    of the runs' medians."""
     with tempfile.TemporaryDirectory(prefix="pulsesync-scale-") as tmp:
-        store_dir, cache_dir = Path(tmp) / "store", Path(tmp) / "cache"
-        pub = child("publish", spec, store_dir, key_pem, cache_dir)
-        sub = child("subscribe", spec, store_dir, key_pem, cache_dir)
+        store_dir = Path(tmp) / "store"
+        pub = child("publish", spec, store_dir, key_pem, Path(tmp) / "cache")
+        subs = [child("subscribe", spec, store_dir, key_pem, Path(tmp) / f"cache-{i}") for i in range(runs)]
     patch = statistics.median(pub["patch_bytes"])
+
+    def median_of(field: str) -> float | None:
+        values = [sub[field] for sub in subs if sub[field] is not None]
+        return statistics.median(values) if values else None
+
+    fast, floor, idle, idle_floor = (median_of(f) for f in ("fast_s", "floor_s", "after_idle_s", "floor_after_idle_s"))
+    assert fast is not None and floor is not None
     return {
         "parameters": sum(int(np.prod(s)) for s in spec["shapes"].values()),
         "model_bytes": pub["model_bytes"],
         "patch_bytes": patch,
+        "runs": runs,
         "publisher_peak_over_model": pub["peak_over_model"],
-        "subscriber_peak_over_model": sub["peak_over_model"],
-        "subscriber_cold_peak_over_model": sub["cold_peak_over_model"],
-        "subscriber_fast_extra_over_model": sub["fast_extra_over_model"],
-        "fast_s": sub["fast_s"],
-        "fast_s_all": sub["fast_s_all"],
-        "floor_s": sub["floor_s"],
-        "floor_s_all": sub["floor_s_all"],
-        "fast_over_floor": sub["fast_s"] / sub["floor_s"],
-        "after_idle_s": sub["after_idle_s"],
-        "after_idle_s_all": sub["after_idle_s_all"],
-        "after_idle_over_floor": sub["after_idle_s"] / sub["floor_s"] if sub["after_idle_s"] else None,
-        "cold_start_s": sub["cold_start_s"],
-        "cache_bytes_per_patch_byte": statistics.median(sub["cache_bytes"]) / patch,
-        "requests_per_step": sub["requests"],
-        "bit_exact": sub["bit_exact"],
+        "subscriber_peak_over_model": max(sub["peak_over_model"] for sub in subs),
+        "subscriber_cold_peak_over_model": max(sub["cold_peak_over_model"] for sub in subs),
+        "subscriber_fast_extra_over_model": max(sub["fast_extra_over_model"] for sub in subs),
+        "fast_s": fast,
+        "fast_s_runs": [sub["fast_s"] for sub in subs],
+        "fast_s_all": [sub["fast_s_all"] for sub in subs],
+        "floor_s": floor,
+        "floor_s_runs": [sub["floor_s"] for sub in subs],
+        "floor_s_all": [sub["floor_s_all"] for sub in subs],
+        "fast_over_floor": fast / floor,
+        "after_idle_s": idle,
+        "after_idle_s_runs": [sub["after_idle_s"] for sub in subs],
+        "after_idle_s_all": [sub["after_idle_s_all"] for sub in subs],
+        "floor_after_idle_s": idle_floor,
+        "floor_after_idle_s_runs": [sub["floor_after_idle_s"] for sub in subs],
+        "floor_after_idle_s_all": [sub["floor_after_idle_s_all"] for sub in subs],
+        # The after-idle step over the floor after the same idle; and over the warm floor, as before.
+        "after_idle_over_floor": idle / idle_floor if idle and idle_floor else None,
+        "after_idle_over_warm_floor": idle / floor if idle else None,
+        "cold_start_s": median_of("cold_start_s"),
+        "cache_bytes_per_patch_byte": statistics.median(c for sub in subs for c in sub["cache_bytes"]) / patch,
+        "requests_per_step": subs[0]["requests"],
+        "bit_exact": all(sub["bit_exact"] for sub in subs),
     }
 
 
-# --- fan-out -----------------------------------------------------------------------------------------
 async def fanout(subscribers: int, spec: Spec, endpoint: str, server: str) -> dict[str, Any]:
     """N subscribers, each with its own S3 client, follow one publisher; all bit-exact every step."""
     key = Ed25519PrivateKey.generate()
@@ -445,7 +471,9 @@ def main() -> None:
             f"{row['parameters'] / 1e6:8.0f}M params  {row['model_bytes'] / 2**30:6.2f} GiB  patch "
             f"{row['patch_bytes'] / 2**20:6.2f} MiB  fast {row['fast_s'] * 1000:7.1f} ms  floor "
             f"{row['floor_s'] * 1000:6.1f} ms ({row['fast_over_floor']:.2f}x)  after idle "
-            f"{row['after_idle_s'] * 1000:6.1f} ms ({row['after_idle_over_floor']:.2f}x)  cache/patch "
+            f"{row['after_idle_s'] * 1000:6.1f} ms, floor {row['floor_after_idle_s'] * 1000:6.1f} ms "
+            f"({row['after_idle_over_floor']:.2f}x; {row['after_idle_over_warm_floor']:.2f}x the warm floor)  "
+            f"[{RUNS} runs]  cache/patch "
             f"{row['cache_bytes_per_patch_byte']:.3f}  requests {row['requests_per_step']}  pub peak "
             f"{row['publisher_peak_over_model']:.2f}x  sub peak {row['subscriber_peak_over_model']:.2f}x "
             f"(fast steps +{row['subscriber_fast_extra_over_model']:.3f}x)  exact {row['bit_exact']}",
@@ -478,10 +506,11 @@ def main() -> None:
         # What pulsesync adds to the hardware's growth: its step's growth over the floor's.
         "fast_path_growth_over_floor": (sizes[-1]["fast_s"] / sizes[0]["fast_s"])
         / (sizes[-1]["floor_s"] / sizes[0]["floor_s"]),
-        # A fast-path step over the memory floor (medians), the worst size.
+        # A fast-path step over the memory floor (medians of the runs' medians), the worst size.
         "fast_path_over_floor": max(r["fast_over_floor"] for r in sizes),
-        # The same after an idle spell (reported, not a contract: docs/benchmarks.md).
-        "fast_after_idle_over_floor": max(r["after_idle_over_floor"] for r in sizes),
+        # A step after an idle spell over the floor after the same idle (reported, not a contract: docs/benchmarks.md).
+        "after_idle_over_floor": max(r["after_idle_over_floor"] for r in sizes),
+        "after_idle_over_warm_floor": max(r["after_idle_over_warm_floor"] for r in sizes),
         "cache_bytes_per_patch_byte": max(r["cache_bytes_per_patch_byte"] for r in sizes),
         "requests_per_step": float(sum(total_requests.values())),
         "publisher_peak_over_model": max(r["publisher_peak_over_model"] for r in sizes),
