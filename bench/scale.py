@@ -36,7 +36,7 @@ Fan-out: N subscribers (asyncio tasks, each its own S3 client) follow one publis
 (moto where the weed binary is missing); all must converge bit-exact every step; per step, the
 store's requests and bytes served. Baseline in the same run: the smallest model's fast path.
 
-    python bench/scale.py --quick --json out.json   # 10 + 3 steps a size, 3 subscriber runs, ~8 minutes: the CI contract
+    python bench/scale.py --quick --json out.json   # 10 + 3 steps a size, 3 subscriber runs, ~8 min: CI runs it
     python bench/scale.py --huge                    # 0.5B-2B parameters, plus one tensor > 2**31 elements
 """
 
