@@ -338,8 +338,11 @@ def measure_size(spec: Spec, key_pem: bytes, runs: int = RUNS) -> dict[str, Any]
         values = [sub[field] for sub in subs if sub[field] is not None]
         return statistics.median(values) if values else None
 
-    fast, floor, idle, idle_floor = (median_of(f) for f in ("fast_s", "floor_s", "after_idle_s", "floor_after_idle_s"))
+    times = ("fast_s", "floor_s", "after_idle_s", "floor_after_idle_s")
+    fast, floor, idle, idle_floor = (median_of(f) for f in times)
     assert fast is not None and floor is not None
+    per_run = {f"{f}_runs": [sub[f] for sub in subs] for f in times}
+    every_step = {f"{f}_all": [sub[f"{f}_all"] for sub in subs] for f in times}
     return {
         "parameters": sum(int(np.prod(s)) for s in spec["shapes"].values()),
         "model_bytes": pub["model_bytes"],
@@ -350,18 +353,12 @@ def measure_size(spec: Spec, key_pem: bytes, runs: int = RUNS) -> dict[str, Any]
         "subscriber_cold_peak_over_model": max(sub["cold_peak_over_model"] for sub in subs),
         "subscriber_fast_extra_over_model": max(sub["fast_extra_over_model"] for sub in subs),
         "fast_s": fast,
-        "fast_s_runs": [sub["fast_s"] for sub in subs],
-        "fast_s_all": [sub["fast_s_all"] for sub in subs],
         "floor_s": floor,
-        "floor_s_runs": [sub["floor_s"] for sub in subs],
-        "floor_s_all": [sub["floor_s_all"] for sub in subs],
-        "fast_over_floor": fast / floor,
         "after_idle_s": idle,
-        "after_idle_s_runs": [sub["after_idle_s"] for sub in subs],
-        "after_idle_s_all": [sub["after_idle_s_all"] for sub in subs],
         "floor_after_idle_s": idle_floor,
-        "floor_after_idle_s_runs": [sub["floor_after_idle_s"] for sub in subs],
-        "floor_after_idle_s_all": [sub["floor_after_idle_s_all"] for sub in subs],
+        **per_run,
+        **every_step,
+        "fast_over_floor": fast / floor,
         # The after-idle step over the floor after the same idle; and over the warm floor, as before.
         "after_idle_over_floor": idle / idle_floor if idle and idle_floor else None,
         "after_idle_over_warm_floor": idle / floor if idle else None,

@@ -254,7 +254,7 @@ class Subscriber:
             store_stream = None
             try:
                 newest = await self.chain.newest_verified()  # with the pin set, another stream's markers are skipped
-                listed = cached.step in await self.chain.ready()
+                listed = cached.step in self.chain.listed  # newest_verified() just listed ready/
                 if newest is not None:
                     store_stream = self.chain.verified_marker(newest)[1].stream_id  # type: ignore[index]
             except StoreError as e:  # unreachable for now: the cached copy of the marker decides
