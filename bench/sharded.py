@@ -17,10 +17,14 @@ this machine (gloo, CPU); codec threads are 1 on every rank. Measured in the sam
               bytes, in a second run with MALLOC_MMAP_THRESHOLD_=131072 so freed buffers leave
               the resident set (glibc's default keeps some; its figure is printed beside)
 
+  bytes/unsharded  per patch step, the bytes of the step's parts over the unsharded patch of the
+              same states (the ranks' rows put together, coded here as a whole-model publisher
+              codes them); `part_bytes_over_unsharded` in the JSON: 2 ranks, the worst step
+
 The parent then subscribes to every round's store of each world's first start and checks every
 step bit for bit against the trainers' states, regenerated. Contracts (exit 1 when broken):
 bit-exact; per-rank peak <= 2.3x its shard; the pipeline with 2 ranks >= 1.6x faster than 1 rank
-publishing the whole model.
+publishing the whole model; the 2 ranks' parts <= 1.05x the unsharded patch's bytes, every step.
 
     python bench/sharded.py --quick --json out.json    # 94M parameters, 1 and 2 ranks, < 3 minutes
     python bench/sharded.py --ranks 1,2,4              # 0.2B parameters
@@ -178,7 +182,7 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
     the default: the fixed threshold's page faults slow the whole-model baseline 2x.
     """
     timed = torchrun(world, out / "timed", hidden, layers, steps, ROUNDS, {})
-    exact = asyncio.run(check(out / "timed", hidden, layers, steps, world))
+    exact, over_unsharded = asyncio.run(check(out / "timed", hidden, layers, steps, world))
     sized = torchrun(world, out / "sized", hidden, layers, 3, 1, {"MALLOC_MMAP_THRESHOLD_": "131072"})
     default_peak = max(r["peak_bytes"] / r["shard_bytes"] for r in timed)
     peak = max(r["peak_bytes"] / r["shard_bytes"] for r in sized)
@@ -190,6 +194,7 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
         "peak_over_shard": peak,
         "peak_over_shard_default_malloc": default_peak,
         "bit_exact": exact,
+        "part_bytes_over_unsharded_steps": over_unsharded,
     }
 
 
@@ -198,8 +203,12 @@ def round_medians(ranks: list[dict[str, Any]]) -> list[float]:
     return [statistics.median(steps) for steps in ranks[0]["pipeline_s"]]
 
 
-async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> bool:
-    """Every step a subscriber of each round's store serves equals the ranks' states put together, bit for bit."""
+async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> tuple[bool, list[float]]:
+    """Every step a subscriber of each round's store serves equals the ranks' states put together, bit for bit;
+    and per patch step, the bytes of its parts over those of the unsharded patch of the same states (encoded here
+    as a whole-model publisher codes it: against the step before's history, the first after the anchor without)."""
+    from pulsesync.codec import PatchHistory, encode
+    from pulsesync.protocol.manifest import PatchManifest
     from pulsesync.store import FileStore
     from pulsesync.subscriber import Subscriber
     from pulsesync.subscriber.config import SubscriberConfig
@@ -209,7 +218,9 @@ async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> 
     trusted = signing.trusted_keys([out / "key" / "publisher.pub"])
     stores = sorted(out.glob("store-*"))
     subs = [Subscriber(SubscriberConfig(), store=FileStore(store), trusted=trusted) for store in stores]
-    exact = True
+    exact, over_unsharded = True, []
+    before: dict[str, torch.Tensor] = {}
+    reference: PatchHistory | None = None
     for step in range(steps + 1):
         if step:
             for t in trainers:
@@ -220,9 +231,16 @@ async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> 
             await sub.sync(step)
             assert sub.state is not None
             exact &= all(torch.equal(sub.state[n].view(torch.int16), whole[n].view(torch.int16)) for n in shapes)
+        if step:
+            unsharded = encode(before, whole, CodecParams(threads=1), reference=reference)
+            reference = unsharded.history
+            manifest = await subs[0].chain.manifest(step, "patch")
+            assert isinstance(manifest, PatchManifest)
+            over_unsharded.append(sum(ref.size for ref in manifest.objects) / len(unsharded.data))
+        before = whole
     for sub in subs:
         await sub.close()
-    return exact
+    return exact, over_unsharded
 
 
 def main() -> None:
@@ -255,16 +273,20 @@ def main() -> None:
     base = runs[1]["pipeline_s"]
     print(f"{runs[1]['parameters'] / 1e6:.0f}M parameters bf16, {steps} patch steps, codec threads 1 per rank")
     header = f"{'ranks':>5} {'pipeline s/step':>16} {'speedup':>8} {'peak/shard':>11} {'(default malloc)':>17}"
-    print(f"{header} {'bit-exact':>10}")
+    print(f"{header} {'bytes/unsharded':>16} {'bit-exact':>10}")
     for w, r in runs.items():
         speedup, peak, exact = base / r["pipeline_s"], r["peak_over_shard"], r["bit_exact"]
         default = r["peak_over_shard_default_malloc"]
-        print(f"{w:>5} {r['pipeline_s']:>16.4f} {speedup:>7.2f}x {peak:>10.2f}x {default:>16.2f}x {exact!s:>10}")
+        over = max(r["part_bytes_over_unsharded_steps"])
+        row = f"{w:>5} {r['pipeline_s']:>16.4f} {speedup:>7.2f}x {peak:>10.2f}x {default:>16.2f}x {over:>15.3f}x"
+        print(f"{row} {exact!s:>10}")
     two = runs.get(2)
     result: dict[str, Any] = {
         "bit_exact": all(r["bit_exact"] for r in runs.values()),
         "per_rank_peak_over_shard": max(r["peak_over_shard"] for w, r in runs.items() if w > 1),
         "publish_speedup_2_ranks": base / two["pipeline_s"] if two else None,
+        # The 2-rank patches' bytes over an unsharded publish of the same states, the worst step.
+        "part_bytes_over_unsharded": max(two["part_bytes_over_unsharded_steps"]) if two else None,
         "runs": {str(w): r for w, r in runs.items()},
         "quick": args.quick,
     }
@@ -282,6 +304,8 @@ def main() -> None:
         contracts.append(
             Contract("pipeline speedup, 2 ranks over 1", result["publish_speedup_2_ranks"], 1.6, at_most=False)
         )
+        over = result["part_bytes_over_unsharded"]
+        contracts.append(Contract("2-rank part bytes / unsharded, worst step", over, 1.05))
     enforce(contracts)
 
 

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pulsesync.atomic_files import replace_with, write_file
-from pulsesync.codec.history import ChunkHistory, PatchHistory
+from pulsesync.codec.history import ChunkHistory, StepHistory
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import LocalWriteError
 from pulsesync.model_dir import load_owned
@@ -66,12 +66,12 @@ class CachedState(VerifiedState):
     """
 
     marker: bytes | None = None
-    history: PatchHistory | None = None  # of the patch that produced the state: the next patch's reference
+    history: StepHistory | None = None  # of the patch that produced the state: the next patch's reference
     journal: list[JournalEntry] = field(default_factory=list)  # patches after `step`, in step order: replay them
 
 
 def save(
-    cache_dir: Path, verified: VerifiedState, marker: bytes | None = None, history: PatchHistory | None = None
+    cache_dir: Path, verified: VerifiedState, marker: bytes | None = None, history: StepHistory | None = None
 ) -> None:
     """Persist a verified state as the new base (its digest, files, signed marker and patch history); clear the journal.
 
@@ -151,28 +151,42 @@ def _history_sha256(chunks: list[ChunkHistory]) -> str:
     return sha.hexdigest()
 
 
-def _save_history(history: PatchHistory, path: Path) -> None:
+def _save_history(history: StepHistory, path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
-    for i, chunk in enumerate(history.chunks.values()):
-        tensors[f"{i}.positions"] = torch.from_numpy(chunk.positions)
-        tensors[f"{i}.deltas"] = torch.from_numpy(chunk.deltas)
-    contents = _history_sha256(list(history.chunks.values()))
-    keys = json.dumps({"sha256": history.sha256, "chunks": [list(k) for k in history.chunks], "contents": contents})
+    patches, chunks = [], []
+    for p, patch in enumerate(history.patches.values()):
+        for i, chunk in enumerate(patch.chunks.values()):
+            tensors[f"{p}.{i}.positions"] = torch.from_numpy(chunk.positions)
+            tensors[f"{p}.{i}.deltas"] = torch.from_numpy(chunk.deltas)
+            chunks.append(chunk)
+        patches.append({"sha256": patch.sha256, "chunks": [list(k) for k in patch.chunks]})
+    keys = json.dumps({"patches": patches, "contents": _history_sha256(chunks)})
     save_file(tensors, str(path), metadata={"history": keys})
 
 
-def _load_history(path: Path) -> PatchHistory | None:
-    """The cached history, or None (missing, unreadable, or not what was saved: its contents hash differs)."""
+def _load_history(path: Path) -> StepHistory | None:
+    """The cached history, or None (missing, unreadable, or not what was saved: its contents hash differs).
+
+    A history of one patch saved without its step's list of patches (an older cache) is read as it was.
+    """
     if not path.is_file():
         return None
     try:
+        history, chunks = StepHistory(), []
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {})["history"])
-            history = PatchHistory(str(meta["sha256"]))
-            for i, (name, start, length) in enumerate(meta["chunks"]):
-                positions, deltas = f.get_tensor(f"{i}.positions").numpy(), f.get_tensor(f"{i}.deltas").numpy()
-                history.chunks[(str(name), int(start), int(length))] = ChunkHistory(positions, deltas)
-        if _history_sha256(list(history.chunks.values())) != meta.get("contents"):
+            if "patches" in meta:
+                listed = [(f"{p}.", patch) for p, patch in enumerate(meta["patches"])]
+            else:
+                listed = [("", meta)]
+            for prefix, saved in listed:
+                patch = history.add(str(saved["sha256"]))
+                for i, (name, start, length) in enumerate(saved["chunks"]):
+                    at = f"{prefix}{i}"
+                    positions, deltas = f.get_tensor(f"{at}.positions").numpy(), f.get_tensor(f"{at}.deltas").numpy()
+                    chunks.append(ChunkHistory(positions, deltas))
+                    patch.chunks[(str(name), int(start), int(length))] = chunks[-1]
+        if _history_sha256(chunks) != meta.get("contents"):
             raise ValueError("its contents do not match the hash saved with them")
         return history
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:

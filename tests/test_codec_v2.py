@@ -575,13 +575,17 @@ def test_the_first_patch_after_an_anchor_codes_magnitude_classes() -> None:
     changed = int((old.view(torch.int16) != new.view(torch.int16)).sum())
     assert encoded.wire["positions"] * 8 < 0.5 * changed  # gaps: ~8 bits a position
     assert_states_equal(_apply({"t": old}, encoded.data, None)[0], {"t": new})
-    # Its decoder scans the chunk: never in a patch with a reference, nor in a sharded step's part
-    # (both come every step, and the fast path stays O(patch)).
+    # Its decoder scans the chunk: never in a patch or a sharded step's part with a reference (they
+    # come every step, and the fast path stays O(patch)); a part after an anchor codes as the patch.
     reference = encode({"t": new}, {"t": old}).history
     assert "CLASS_MASKS" not in "".join(encode({"t": old}, {"t": new}, reference=reference).codings)
     piece = {"t": Piece("t", 0, old.numel(), tuple(old.shape), "BF16")}
     part = encode_part({"t": old}, {"t": new}, piece, CodecParams(), part=0, base_root="", dense_bytes_total=0)
-    assert part.codings and "CLASS_MASKS" not in "".join(part.codings)
+    assert part.codings == encoded.codings
+    after = encode_part(
+        {"t": old}, {"t": new}, piece, CodecParams(), part=0, base_root="", dense_bytes_total=0, reference=reference
+    )
+    assert after.codings and "CLASS_MASKS" not in "".join(after.codings)
 
 
 def test_the_wire_breakdown_adds_up_and_separates_positions_from_values() -> None:

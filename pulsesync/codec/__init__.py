@@ -7,7 +7,7 @@ byte layout (docs/patch-format.md), `bits` the position and value coding, `fused
 from pulsesync.codec.apply import UndoLog, apply_parts, apply_patch, apply_record
 from pulsesync.codec.encoder import EncodedPart, EncodedPatch, encode, encode_part, encode_patch
 from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, RecordKind, ValueCoding
-from pulsesync.codec.history import ChunkHistory, PatchHistory
+from pulsesync.codec.history import ChunkHistory, PatchHistory, StepHistory
 from pulsesync.codec.params import CodecParams
 from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record, read_header
 
@@ -18,6 +18,7 @@ __all__ = [
     "EncodedPart",
     "EncodedPatch",
     "PatchHistory",
+    "StepHistory",
     "PatchDecoder",
     "PatchHeader",
     "PatchRecord",

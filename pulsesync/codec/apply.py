@@ -8,6 +8,7 @@ copy of a state and still restore it bit for bit.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterable, MutableMapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from pulsesync.codec.format import (
     RecordKind,
     ValueCoding,
 )
-from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
+from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory, StepHistory
 from pulsesync.codec.parse import (
     PatchDecoder,
     PatchRecord,
@@ -356,11 +357,7 @@ def apply_patch(
             f"patch was made against state digest {header.base_digest}, "
             f"but the state to patch has {current.algorithm} digest {current.root}"
         )
-    if header.reference_sha256 is not None and (reference is None or reference.sha256 != header.reference_sha256):
-        held = "none" if reference is None else f"patch {reference.sha256[:16]}..."
-        raise MissingReferenceError(
-            f"patch is history-coded against patch {header.reference_sha256[:16]}..., the reference held is {held}"
-        )
+    _check_reference(header.reference_sha256, reference, "patch")
     incremental = verify and algorithm in INCREMENTAL
     moved, whole_records, rehashed = _apply_records(
         state, parser, raw_records, len(patch), undo, reference, history, threads, verify, incremental
@@ -386,13 +383,17 @@ def apply_parts(
     max_decoded_bytes: int | None = None,
     undo: UndoLog | None = None,
     expected: StateDigest | None = None,
+    reference: StepHistory | None = None,
+    history: StepHistory | None = None,
 ) -> StateDigest:
     """Apply a sharded step's parts in order, in place; returns the digest they compose to.
 
     Each part holds chunk records of the pieces one rank owns, made against the step's base
     (`base_digest`); the caller checks the result against the step's signed manifest (`expected`,
-    returned as the result when they compose to it). On any error `state` may be partially
-    patched: roll `undo` back.
+    returned as the result when they compose to it). A history-coded part needs the history of
+    the part it names in `reference` (the step before's, MissingReferenceError otherwise); pass
+    an empty `history` to collect each part's own, by its SHA-256. On any error `state` may be
+    partially patched: roll `undo` back.
     """
     if base_digest.algorithm not in INCREMENTAL:
         raise IntegrityError(f"a sharded patch needs an incremental digest, the state has {base_digest.algorithm}")
@@ -401,7 +402,7 @@ def apply_parts(
         parser = PatchDecoder(max_decoded_bytes)
         raw_records = parser.split(patch)
         header = parser.finish()
-        if header.part != index or header.state_digest or header.reference_sha256 is not None:
+        if header.part != index or header.state_digest:
             raise CorruptPatchError(f"part {index} of a sharded step: its header says part {header.part}")
         if header.base_digest != base_digest.root or header.digest_algorithm != base_digest.algorithm:
             raise IntegrityError(
@@ -410,8 +411,20 @@ def apply_parts(
             )
         if whole := [h.name for h, _ in raw_records if h.kind not in _CHUNK_KINDS]:
             raise CorruptPatchError(f"part {index} of a sharded step: tensor {whole[0]!r} has a whole-tensor record")
-        moved += _apply_records(state, parser, raw_records, len(patch), undo, None, None, threads, True, True)[0]
+        against = reference.get(header.reference_sha256) if reference is not None else None
+        _check_reference(header.reference_sha256, against, f"part {index}")
+        own = history.add(hashlib.sha256(patch).hexdigest()) if history is not None else None
+        moved += _apply_records(state, parser, raw_records, len(patch), undo, against, own, threads, True, True)[0]
     return update_digest(base_digest, state, moved, [], expected)
+
+
+def _check_reference(sha256: str | None, held: PatchHistory | None, what: str) -> None:
+    """MissingReferenceError unless a patch coded against the patch of `sha256` has that patch's history."""
+    if sha256 is not None and (held is None or held.sha256 != sha256):
+        name = "none" if held is None else f"patch {held.sha256[:16]}..."
+        raise MissingReferenceError(
+            f"{what} is history-coded against patch {sha256[:16]}..., the reference held is {name}"
+        )
 
 
 _CHUNK_KINDS = (RecordKind.SPARSE, RecordKind.DENSE, RecordKind.HISTORY)

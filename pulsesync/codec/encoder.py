@@ -615,6 +615,7 @@ class EncodedPart:
     wire: dict[str, int]
     changed_elements: int
     lanes: dict[str, tuple[int, int]]  # tensor -> how the part's records moved its mixsum-128 lanes
+    history: PatchHistory  # what it changed: the reference of this rank's next part
 
 
 def encode_part(
@@ -626,34 +627,44 @@ def encode_part(
     part: int,
     base_root: str,
     dense_bytes_total: int,
+    reference: PatchHistory | None = None,
 ) -> EncodedPart:
     """The part of a step's patch that covers `pieces`: `base`/`new` hold each piece's local tensor.
 
     Each piece is a contiguous run of its tensor's flat elements, so a chunk of the local tensor
     is a chunk of the global tensor at `piece.start` on: records carry global starts and the
-    global shape, and apply to the whole tensor as any record does. Parts are self-contained (no
-    history coding) and need an incremental digest: the step's digest is the base's moved by
-    every part's lane changes.
+    global shape, and apply to the whole tensor as any record does. A part is coded as a patch is:
+    against `reference` (this rank's part of the step before, its history) where that is smaller,
+    else a contiguous piece's first part after an anchor by magnitude class (a strided piece's
+    chunks hold other ranks' elements: never). Parts need an incremental digest: the step's
+    digest is the base's moved by every part's lane changes.
     """
     if params.digest_algorithm not in INCREMENTAL:
         raise ConfigError(f"a sharded publish needs an incremental digest algorithm, not {params.digest_algorithm}")
+    reference = reference if params.adaptive else None  # history coding is part of adaptive coding
     tasks: list[Callable[[], _Record | None]] = []
     for name in sorted(pieces):
         piece, old_t, new_t = pieces[name], base[name], new[name]
         if old_t.dtype != new_t.dtype or old_t.numel() != piece.length or new_t.numel() != piece.length:
             raise ConfigError(f"tensor {name!r}: its dtype or size changed since the last anchor; publish an anchor")
         if piece.runs == 1:
-            tasks.extend(_chunk_tasks(params, name, old_t, new_t, None, piece.start, piece.shape))
+            by_classes = reference is None
+            tasks.extend(_chunk_tasks(params, name, old_t, new_t, reference, piece.start, piece.shape, by_classes))
         else:
-            tasks.extend(_strided_tasks(params, piece, old_t, new_t))
+            tasks.extend(_strided_tasks(params, piece, old_t, new_t, reference))
     records = [r for r in parallel_map(lambda task: task(), tasks, params.threads) if r is not None]
     lanes: dict[str, tuple[int, int]] = {}
     for r in records:
         if r.digest_change is not None:
             name, moved = r.digest_change
             lanes[name] = mixsum.add(lanes.get(name, (0, 0)), moved)
-    data, codings, wire = _assemble(params, records, base_root, "", dense_bytes_total, part=part)
-    return EncodedPart(data, codings, wire, sum(r.changed for r in records), lanes)
+    coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
+    against = coded_against.sha256 if coded_against is not None else None
+    data, codings, wire = _assemble(
+        params, records, base_root, "", dense_bytes_total, part=part, reference_sha256=against
+    )
+    history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
+    return EncodedPart(data, codings, wire, sum(r.changed for r in records), lanes, history)
 
 
 def _assemble(
@@ -695,7 +706,7 @@ def _removal(params: CodecParams, name: str) -> _Record:
 
 
 def _strided_tasks(
-    params: CodecParams, piece: Piece, old_t: torch.Tensor, new_t: torch.Tensor
+    params: CodecParams, piece: Piece, old_t: torch.Tensor, new_t: torch.Tensor, reference: PatchHistory | None
 ) -> list[Callable[[], _Record | None]]:
     """SPARSE records of a piece of several runs (a split of dim 1 or later), one per global chunk it changed.
 
@@ -712,15 +723,15 @@ def _strided_tasks(
     chunk_of = np.searchsorted(grid, where, side="right") - 1
     bounds = np.flatnonzero(np.diff(chunk_of)) + 1
     tasks: list[Callable[[], _Record | None]] = []
+    refs = reference.chunks if reference is not None else {}
     for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), local.size], strict=True):
         start, end = int(grid[chunk_of[lo]]), int(grid[chunk_of[lo] + 1])
         length = end - start
         # The record's identity (name, dtype, global shape, start); its changed elements are given.
         chunk = _Chunk(piece.name, info, piece.shape, start, old[:0], new[:0])
         positions = where[lo:hi] - start
-        tasks.append(
-            partial(_sparse_record, params, chunk, length, positions, old_values[lo:hi], new_values[lo:hi], None)
-        )
+        changed = (positions, old_values[lo:hi], new_values[lo:hi])
+        tasks.append(partial(_sparse_record, params, chunk, length, *changed, refs.get((piece.name, start, length))))
     return tasks
 
 

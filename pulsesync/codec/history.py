@@ -4,7 +4,9 @@ Adam's momentum makes the same weights change again, in the same direction, step
 record coded against the previous patch's positions and deltas of the same chunk is ~2x smaller
 (docs/benchmarks.md). Both ends hold the `PatchHistory` of the last patch: the publisher from
 encoding it, the subscriber from applying it. The patch after an anchor is never history-coded,
-so a subscriber that starts from an anchor needs no reference it has not applied itself.
+so a subscriber that starts from an anchor needs no reference it has not applied itself. A sharded
+step's parts each have their own (`StepHistory`): a rank codes its part against its own part of
+the step before, and the chunks of strided pieces repeat across ranks.
 """
 
 from __future__ import annotations
@@ -44,3 +46,31 @@ class PatchHistory:
         """Memory the history holds."""
         kept = [(c.positions, c.deltas, c.values) for c in self.chunks.values()]
         return sum(p.nbytes + d.nbytes + (0 if v is None else v.nbytes) for p, d, v in kept)
+
+
+@dataclass
+class StepHistory:
+    """The histories of one step's patch objects, by SHA-256: its one patch, or a sharded step's parts.
+
+    What a subscriber holds for the next step: each of its objects (a part) names the one it is coded against.
+    """
+
+    patches: dict[str, PatchHistory] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, *histories: PatchHistory) -> StepHistory:
+        """A step history of these objects' histories."""
+        return cls({h.sha256: h for h in histories})
+
+    def get(self, sha256: str | None) -> PatchHistory | None:
+        """The history of the object of this SHA-256, if held."""
+        return self.patches.get(sha256) if sha256 is not None else None
+
+    def add(self, sha256: str) -> PatchHistory:
+        """An empty history for the object of this SHA-256, held here (an apply fills it)."""
+        return self.patches.setdefault(sha256, PatchHistory(sha256))
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the histories hold."""
+        return sum(h.nbytes for h in self.patches.values())

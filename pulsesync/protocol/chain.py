@@ -20,7 +20,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
 
-from pulsesync.codec import PatchHistory, UndoLog, apply_parts, apply_patch
+from pulsesync.codec import StepHistory, UndoLog, apply_parts, apply_patch
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import (
@@ -60,7 +60,7 @@ class Reconstruction(VerifiedState):
 
     anchor_step: int = -1
     patches_applied: int = 0
-    history: PatchHistory | None = None  # of the last patch applied: the reference of the next one
+    history: StepHistory | None = None  # of the last patch applied: the reference of the next one
 
 
 @dataclass
@@ -436,14 +436,14 @@ class ChainClient:
         manifest: PatchManifest,
         data: bytes | None = None,
         undo: UndoLog | None = None,
-        reference: PatchHistory | None = None,
-        history: PatchHistory | None = None,
+        reference: StepHistory | None = None,
+        history: StepHistory | None = None,
     ) -> StateDigest:
         """Apply a verified patch (its bytes fetched here unless given) in place; returns the checked new digest.
 
         With `undo`, what the patch overwrote is logged there (also when it fails part way). A
-        history-coded patch needs `reference`, the history of the manifest's reference patch; an
-        empty `history` (named by this patch's SHA-256) collects this patch's own.
+        history-coded patch (or part) needs `reference`, the history of the step it is coded
+        against; an empty `history` collects this step's own, one per object.
         """
         if digest.root != manifest.base_digest:
             raise IntegrityError(
@@ -455,12 +455,13 @@ class ChainClient:
         # frame declaring GiBs, sizes consistent) is refused before anything is allocated.
         held_bytes = dense_bytes(state)
         limit = held_bytes + held_bytes // 2 + DECODE_MARGIN_BYTES
-        # The thread writes into `state`: a cancelled caller must not roll back before it is done.
-        if manifest.reference is not None and (reference is None or reference.sha256 != manifest.reference.sha256):
+        against = reference.get(manifest.reference.sha256) if reference is not None and manifest.reference else None
+        if manifest.reference is not None and against is None:
             raise MissingReferenceError(
                 f"patch {manifest.step}: coded against {manifest.reference.key}, whose history is not held "
                 "(a restart, or a step missed)"
             )
+        # The thread writes into `state`: a cancelled caller must not roll back before it is done.
         new: StateDigest | None
         if len(manifest.objects) > 1:  # a sharded step: its parts compose to the manifest's digest
             new = await in_thread_to_completion(
@@ -472,6 +473,8 @@ class ChainClient:
                 undo=undo,
                 max_decoded_bytes=limit,
                 expected=manifest.state_digest,
+                reference=reference,
+                history=history,
             )
         else:
             new = await in_thread_to_completion(
@@ -482,8 +485,8 @@ class ChainClient:
                 threads=self.threads,
                 undo=undo,
                 max_decoded_bytes=limit,
-                reference=reference,
-                history=history,
+                reference=against,
+                history=history.add(manifest.objects[0].sha256) if history is not None else None,
                 expected=manifest.state_digest,
             )
         assert new is not None  # verify=True
@@ -543,9 +546,9 @@ class ChainClient:
         links: list[PatchManifest],
         window: int = 4,
         undo: list[UndoLog] | None = None,
-        reference: PatchHistory | None = None,
+        reference: StepHistory | None = None,
         applied: list[tuple[PatchManifest, bytes]] | None = None,
-    ) -> tuple[StateDigest, PatchHistory | None]:
+    ) -> tuple[StateDigest, StepHistory | None]:
         """Apply patches in order, downloading up to `window` patches ahead of the one being applied.
 
         With `undo`, one log per patch started is appended there, so the caller can roll back.
@@ -567,8 +570,7 @@ class ChainClient:
                 data = await fetches.pop(i)
                 if undo is not None:
                     undo.append(UndoLog())
-                # A sharded step's parts are self-contained: no history for the next patch to refer to.
-                history = PatchHistory(link.objects[0].sha256) if len(link.objects) == 1 else None
+                history = StepHistory()
                 log_ = undo[-1] if undo is not None else None
                 digest = await self.apply(state, digest, link, data, log_, reference, history)
                 reference = history

@@ -27,7 +27,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import metrics, state_cache
-from pulsesync.codec import PatchHistory, encode, read_header
+from pulsesync.codec import PatchHistory, StepHistory, encode, read_header
 from pulsesync.digest import INCREMENTAL, StateDigest, state_digest
 from pulsesync.dtypes import State, dense_bytes
 from pulsesync.errors import (
@@ -144,8 +144,9 @@ class AsyncPublisher:
         if history is None or self._base is None:
             return
         last_patch = await self._chain.manifest(self._base.step, "patch")
-        if len(last_patch.objects) == 1 and last_patch.objects[0].sha256 == history.sha256:
-            self._history, self._history_ref = history, last_patch.objects[0]
+        own = history.get(last_patch.objects[0].sha256) if len(last_patch.objects) == 1 else None
+        if own is not None:
+            self._history, self._history_ref = own, last_patch.objects[0]
         else:
             log.warning(
                 "step %d: the cached patch history is not its patch's; the next patch is coded without it",
@@ -176,7 +177,8 @@ class AsyncPublisher:
                     await self._worker
             await self.store.close()
         if self.config.cache_dir is not None and self._base is not None:
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, self._base, history=self._history)
+            history = StepHistory.of(self._history) if self._history is not None else None
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, self._base, history=history)
 
     async def __aenter__(self) -> AsyncPublisher:
         await self.start()

@@ -38,7 +38,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import mixsum
-from pulsesync.codec import encode_part
+from pulsesync.codec import PatchHistory, encode_part
 from pulsesync.digest import INCREMENTAL, StateDigest, moved_digest, summed_digest
 from pulsesync.dtypes import State, flat_bits
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
@@ -141,6 +141,8 @@ class ShardedPublisher:
         self._loop = LoopThread("pulsesync-rank-loop")
         self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
         self._base: _Snapshot | None = None  # this rank's pieces at the last committed step
+        self._history: PatchHistory | None = None  # this rank's part of the last committed step's: the reference
+        self._encoded: PatchHistory | None = None  # of the part this round uploaded, until its outcome is known
         self._base_root = ""
         self._base_step = -1
         self._pieces: dict[str, Piece] = {}  # what this rank publishes (replicas resolved), at the last anchor
@@ -320,12 +322,15 @@ class ShardedPublisher:
         if done.fatal is not None:
             raise done.fatal
         if not done.committed:
-            self._anchor_next = True  # the next step starts a sound chain again
+            self._anchor_next, self._history = True, None  # the next step starts a sound chain again
             log.error("step %d: %s not committed on any rank (%s)", snap.step, kind, done.error)
             return False
         if self._base is not None and self._base is not snap:
             self._pool.release(self._base.tensors)
         self._base, self._pieces, self._base_root, self._base_step = snap, pieces, done.root, snap.step
+        # A part after an anchor is coded without a reference, as a patch is: a subscriber that starts
+        # from the anchor holds none.
+        self._history = self._encoded if kind == "patch" else None
         self._anchor_next = False
         if kind == "anchor":
             self._schedule.anchor_started()
@@ -337,6 +342,7 @@ class ShardedPublisher:
     async def _patch_part(self, snap: _Snapshot) -> _Part:
         """Encode this rank's pieces against its baseline and upload the part."""
         assert self._base is not None
+        self._encoded = None
         encoded = await asyncio.to_thread(
             encode_part,
             self._base.tensors,
@@ -346,7 +352,9 @@ class ShardedPublisher:
             part=self.rank,
             base_root=self._base_root,
             dense_bytes_total=self._dense_bytes,
+            reference=self._history,
         )
+        self._encoded = encoded.history
         key = layout.part_key(snap.step, self.run_id, self.rank)
         await self.store.put(key, encoded.data)
         ref = ObjectRef.for_bytes(key, encoded.data)

@@ -37,7 +37,7 @@ from tenacity import (
 )
 
 from pulsesync import metrics, mixsum, state_cache
-from pulsesync.codec import PatchHistory, UndoLog, fused
+from pulsesync.codec import StepHistory, UndoLog, fused
 from pulsesync.deadlines import within
 from pulsesync.digest import StateDigest, TensorHasher
 from pulsesync.dtypes import dense_bytes
@@ -110,7 +110,7 @@ class _Staged(VerifiedState):
 
     path: str = ""
     undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
-    history: PatchHistory | None = None  # of the last patch applied: the next patch's reference
+    history: StepHistory | None = None  # of the last patch applied: the next patch's reference
     patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
 
     def rollback(self) -> None:
@@ -169,7 +169,7 @@ class Subscriber:
         self.digest: StateDigest | None = None
         self.step = -1
         self.files: dict[str, bytes] = {}
-        self.history: PatchHistory | None = None  # of the patch that produced the held state
+        self.history: StepHistory | None = None  # of the patch that produced the held state
         self.status = SubscriberStatus()
         self._undelivered: _Staged | None = None  # a slow-path state a sink refused: deliver again
         self._state_lock = threading.Lock()  # held while the held state is patched in place
@@ -225,7 +225,7 @@ class Subscriber:
                         f"from step {cached.step}"
                     )
                 check_patch(manifest, data, where)
-                history = PatchHistory(manifest.objects[0].sha256)
+                history = StepHistory()
                 cached.digest = await self.chain.apply(
                     cached.state, cached.digest, manifest, data, undo, cached.history, history
                 )
