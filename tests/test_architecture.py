@@ -84,3 +84,92 @@ def test_no_import_runs_against_the_layering() -> None:
 
 def test_nothing_imports_the_cli() -> None:
     assert [a for a, b in _imports() if b == "cli" and a not in ("cli", "__main__")] == []
+
+
+def _module_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, lazy and type-checking imports included.
+
+    `from pkg import name` imports the module pkg.name where that is one, else pkg itself (its
+    __init__); a submodule's implicit import of its parent package is no edge of its own.
+    """
+    modules = {_module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    name = f"{node.module}.{alias.name}"
+                    graph[module].add(name if name in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[module].update(a.name for a in node.names)
+        graph[module] = {m for m in graph[module] if m in modules and m != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_no_import_cycle_between_modules() -> None:
+    assert _cycles(_module_imports()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers tests share live in tests/support/ (docs/architecture.md)."""
+    tests = Path(__file__).parent
+    importing = []
+    for path in tests.glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests.test_"):
+                importing.append((path.name, node.module))
+            elif isinstance(node, ast.Import):
+                importing += [(path.name, a.name) for a in node.names if a.name.startswith("tests.test_")]
+    assert importing == []

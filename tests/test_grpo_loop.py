@@ -45,7 +45,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.store import FileStore
 from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, rpc_all
-from tests.test_vllm_engine import TINY_LLAMA, checksums
+from tests.support.vllm_workload import TINY_LLAMA, checksums
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")

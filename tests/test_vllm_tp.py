@@ -28,7 +28,15 @@ from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, rpc_all, workers_hold
-from tests.test_vllm_engine import TINY_LLAMA, checksums, cli, completion, greedy_logprobs, publish_checkpoints, train
+from tests.support.vllm_workload import (
+    TINY_LLAMA,
+    checksums,
+    cli,
+    completion,
+    greedy_logprobs,
+    publish_checkpoints,
+    train,
+)
 
 pytest.importorskip("transformers")
 pytestmark = [

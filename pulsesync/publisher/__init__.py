@@ -3,13 +3,13 @@
 `pipeline` runs the steps; `sharded` runs them on one rank of a multi-rank trainer (each rank
 uploads what it owns, rank 0 commits); `ownership` keeps a prefix to one stream; `schedule`
 decides anchors (pure); `commit` builds manifests and writes ready markers; `resume` rebuilds the
-baseline; `host_copy` takes the trainer's state; `report` is what a step did; `sources` and
+baseline; `host_copy` takes the trainer's state and files; `report` is what a step did; `sources` and
 `checkpoints` feed it from a process beside a trainer.
 """
 
 from pulsesync.publisher.config import PublisherConfig, WatchConfig
-from pulsesync.publisher.host_copy import HostCopy
-from pulsesync.publisher.pipeline import AsyncPublisher, FileSource, Publisher
+from pulsesync.publisher.host_copy import FileSource, HostCopy
+from pulsesync.publisher.pipeline import AsyncPublisher, Publisher
 from pulsesync.publisher.report import StepReport
 
 __all__ = ["AsyncPublisher", "FileSource", "HostCopy", "Publisher", "PublisherConfig", "StepReport", "WatchConfig"]

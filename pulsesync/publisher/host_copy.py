@@ -11,14 +11,25 @@ every byte is on the host (the trainer may overwrite its weights right after).
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pulsesync.dtypes import State
 
 Buffers = dict[str, torch.Tensor]
+FileSource = Mapping[str, Path | str | bytes]
+"""Files an anchor carries besides the weights: name -> path or content."""
+
+
+def read_files(files: FileSource | None) -> dict[str, bytes]:
+    """File contents keyed by name (read now: the source may be gone when an anchor is written)."""
+    out = {}
+    for name, source in (files or {}).items():
+        out[name] = source if isinstance(source, bytes) else Path(source).read_bytes()
+    return out
 
 
 def _signature(items: list[tuple[str, torch.Size, torch.dtype]], pinned: bool) -> Hashable:

@@ -41,7 +41,7 @@ from pulsesync.protocol.chain import ChainClient, Reconstruction
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
 from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.host_copy import HostCopy, HostCopyPool
+from pulsesync.publisher.host_copy import FileSource, HostCopy, HostCopyPool, read_files
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.resume import resume_baseline
@@ -53,16 +53,6 @@ from pulsesync.threads import LoopThread
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.publisher")
-FileSource = Mapping[str, Path | str | bytes]
-"""Files an anchor carries besides the weights: name -> path or content."""
-
-
-def read_files(files: FileSource | None) -> dict[str, bytes]:
-    """File contents keyed by name (read now: the source may be gone when an anchor is written)."""
-    out = {}
-    for name, source in (files or {}).items():
-        out[name] = source if isinstance(source, bytes) else Path(source).read_bytes()
-    return out
 
 
 class AsyncPublisher:

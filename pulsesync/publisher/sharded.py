@@ -48,9 +48,8 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import ObjectRef, Sizes
 from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.host_copy import HostCopyPool
+from pulsesync.publisher.host_copy import FileSource, HostCopyPool, read_files
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
-from pulsesync.publisher.pipeline import FileSource, read_files
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.sharding.layout import Ownership, Piece, local_pieces, validate

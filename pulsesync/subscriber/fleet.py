@@ -16,15 +16,11 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pulsesync.deadlines import within
 from pulsesync.errors import StoreError
 from pulsesync.protocol.fleet import FleetStatus
 from pulsesync.store import Store
-
-if TYPE_CHECKING:
-    from pulsesync.subscriber.subscriber import Subscriber
 
 log = logging.getLogger("pulsesync.subscriber")
 
@@ -49,8 +45,11 @@ class FleetReporter:
         self.last_sync: dt.datetime | None = None
         self._written_at: float | None = None
 
-    async def report(self, sub: Subscriber, path: str | None) -> None:
-        """After a sync (`path`: how it went) or an idle poll (None): write the status if it changed or is due."""
+    async def report(self, path: str | None, step: int, digest: str | None, newest: int) -> None:
+        """After a sync (`path`: how it went) or an idle poll (None): write the status if it changed or is due.
+
+        `step` and `digest` are what the subscriber serves (digest None: nothing yet), `newest` the newest ready step.
+        """
         now = dt.datetime.now(dt.timezone.utc)
         if path is not None:
             self.last_sync = now
@@ -58,15 +57,14 @@ class FleetReporter:
         if moved:
             self.last_path = path
         due = self._written_at is None or time.monotonic() - self._written_at >= self.every_seconds
-        if not (moved or due) or sub.digest is None:
+        if not (moved or due) or digest is None:
             return
-        newest = max(sub.chain.listed, default=sub.step)
         status = FleetStatus(
             subscriber=self.subscriber,
-            step=sub.step,
-            digest=sub.digest.root,
+            step=step,
+            digest=digest,
             path=self.last_path,
-            lag=max(0, newest - sub.step),
+            lag=max(0, newest - step),
             last_sync=self.last_sync,
             updated_at=now,
         )

@@ -649,6 +649,12 @@ class Subscriber:
         ok = ok and self._diverged is None
         return ok, asdict(self.status) | {"healthy": ok}
 
+    async def _report(self, path: str | None) -> None:
+        """The fleet status after a sync (`path`) or an idle poll (None), when fleet statuses are on."""
+        if self.fleet is not None:
+            digest = self.digest.root if self.digest is not None else None
+            await self.fleet.report(path, self.step, digest, max(self.chain.listed, default=self.step))
+
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the store until stop is set: poll, sync, back off on failures; serve /metrics and /healthz."""
         await self.start()
@@ -661,8 +667,7 @@ class Subscriber:
         try:
             while not stop.is_set():
                 if self.poll is not None and self.state is not None and not await self.poll.worth_listing():
-                    if self.fleet is not None:
-                        await self.fleet.report(self, None)
+                    await self._report(None)
                     with contextlib.suppress(asyncio.TimeoutError):  # the pointer did not change: nothing new
                         await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
                     continue
@@ -687,8 +692,7 @@ class Subscriber:
                     log.info("%s", result.to_json())
                 if self.poll is not None:
                     self.poll.listed()
-                if self.fleet is not None:  # best effort, after the health the sync earned
-                    await self.fleet.report(self, result.path)
+                await self._report(result.path)  # best effort, after the health the sync earned
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.poll_seconds)
         finally:

@@ -1,0 +1,104 @@
+"""The real-vLLM tests' workload: a tiny random Llama trained a few steps, published by the CLI, and what
+they ask the servers (completions, greedy logprobs, RPCs, the weight checker's checksums)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from safetensors.torch import save_file
+
+TINY_LLAMA = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+STEPS = 7
+PROMPTS = [[1, *range(10, 40)], [1, *range(500, 520)], [1, 7, 7, 7, 900, 3]]
+LONG_PROMPT = [1, *range(100, 228)]  # prefix-cached before an update, asked again after it
+
+
+def save_tokenizer(out: Path, vocab_size: int = TINY_LLAMA["vocab_size"]) -> None:
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2")
+    fast.save_pretrained(out)
+
+
+def train(root: Path, config: dict[str, Any] = TINY_LLAMA, steps: int = STEPS) -> None:
+    """The launch checkpoint (save_pretrained), then checkpoint-<step>/ with every state_dict tensor per step."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model.to(torch.bfloat16).save_pretrained(root / "launch")
+    save_tokenizer(root / "launch", config["vocab_size"])
+    model.float()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, config["vocab_size"], (2, 32))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt = root / "checkpoints" / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        state = {n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()}
+        assert "lm_head.weight" in state
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            (ckpt / name).write_bytes((root / "launch" / name).read_bytes())
+        save_file(state, str(ckpt / "model.safetensors"))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pulsesync.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+async def completion(url: str, prompt: list[int], max_tokens: int = 8) -> list[float]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        reply = await r.json()
+    assert r.status == 200, reply
+    logprobs: list[float] = reply["choices"][0]["logprobs"]["token_logprobs"]
+    return logprobs
+
+
+async def greedy_logprobs(url: str) -> list[list[float]]:
+    return [await completion(url, p) for p in [*PROMPTS, LONG_PROMPT]]
+
+
+async def rpc(url: str, method: str, *args: str) -> dict[str, Any]:
+    body = {"method": method, "args": list(args)}
+    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json=body) as r:
+        reply = await r.json()
+    result: dict[str, Any] = reply["results"][0]
+    return result
+
+
+async def checksums(url: str) -> dict[str, str]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/weight_checker", json={"action": "checksum"}) as r:
+        result: dict[str, str] = (await r.json())["checksums"]
+    return result
+
+
+def publish_checkpoints(root: Path) -> str:
+    """A key pair in root/keys, then `pulsesync publish --watch root/checkpoints --once` into root/store; its URL."""
+    store_url = f"file://{root / 'store'}"
+    assert cli("keygen", "--out", str(root / "keys")).returncode == 0
+    publish = cli(
+        "publish", "--store", store_url, "--signing-key", str(root / "keys" / "publisher.key"),
+        "--anchor-interval", "10", "--watch", str(root / "checkpoints"), "--once",
+    )  # fmt: skip
+    assert publish.returncode == 0, publish.stderr
+    return store_url
