@@ -262,7 +262,7 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     # The cold start writes the whole state to cache_dir in the background; in a daemon that write
     # and its writeback have long ended before the steps that matter. Both are waited for here so
     # they do not slow the first fast steps (at 3B the writeback tripled the first one's time).
-    await sub.saved()
+    await sub.wait_saved()
     os.sync()
     reset_peak()
     fast_rss0 = rss()

@@ -94,14 +94,6 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(info.int_dtype)
 
 
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Flat C-order uint8 view of a tensor's raw bytes (little-endian)."""
-    dtype_info(t.dtype)
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
 def describe(t: torch.Tensor) -> str:
     """Short human description like 'BF16[4096, 11008]'."""
     info = _BY_TORCH.get(t.dtype)

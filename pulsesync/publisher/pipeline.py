@@ -43,7 +43,7 @@ from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manife
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.host_copy import FileSource, HostCopy, HostCopyPool, read_files
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
-from pulsesync.publisher.report import StepReport
+from pulsesync.publisher.report import StepReport, StepTiming
 from pulsesync.publisher.resume import resume_baseline
 from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.retention import RetentionWorker
@@ -269,7 +269,7 @@ class AsyncPublisher:
         if self._base is None or algorithm not in INCREMENTAL or self._base.digest.algorithm != algorithm:
             digest = await self._full_digest(snap.state)
         # else: the encoder updates the baseline's digest from the changed elements (O(patch))
-        timing = (snap.seconds, time.perf_counter() - t0)  # snapshot_s, digest_s
+        timing = StepTiming(snap.seconds, time.perf_counter() - t0)
         await self._guard.check(snap.step)
         if self._base is None:
             assert digest is not None
@@ -293,7 +293,7 @@ class AsyncPublisher:
         codec = self.config.codec
         return await asyncio.to_thread(state_digest, state, codec.digest_algorithm, codec.threads)
 
-    async def _anchor_instead(self, snap: HostCopy, digest: StateDigest, timing: tuple[float, float]) -> None:
+    async def _anchor_instead(self, snap: HostCopy, digest: StateDigest, timing: StepTiming) -> None:
         """Publish the step as an anchor (no baseline yet, or its patch failed) and advance to it."""
         await self._publish_anchor(snap.step, snap.state, digest, timing)
         self._advance(snap, digest)
@@ -307,12 +307,12 @@ class AsyncPublisher:
             self._pool.release(old.state)
 
     async def _publish_patch(
-        self, snap: HostCopy, digest: StateDigest | None, timing: tuple[float, float]
+        self, snap: HostCopy, digest: StateDigest | None, timing: StepTiming
     ) -> tuple[StepReport, StateDigest]:
         """Encode, upload and commit a step's patch; returns its report and the new state's digest."""
         base = self._base
         assert base is not None
-        report = StepReport(snap.step, "patch", snapshot_s=timing[0], digest_s=timing[1])
+        report = StepReport(snap.step, "patch", snapshot_s=timing.snapshot_s, digest_s=timing.digest_s)
         report.dense_bytes = dense_bytes(snap.state)
         report.elements = sum(t.numel() for t in snap.state.values())
         key = layout.patch_key(snap.step, self.run_id)
@@ -379,10 +379,10 @@ class AsyncPublisher:
         return full
 
     async def _publish_anchor(
-        self, step: int, state: State, digest: StateDigest, timing: tuple[float, float], step_committed: bool = False
+        self, step: int, state: State, digest: StateDigest, timing: StepTiming, step_committed: bool = False
     ) -> None:
         """Write, upload and commit an anchor: the step's commit, or (`step_committed`) an anchor added to it."""
-        report = StepReport(step, "anchor", snapshot_s=timing[0], digest_s=timing[1])
+        report = StepReport(step, "anchor", snapshot_s=timing.snapshot_s, digest_s=timing.digest_s)
         report.dense_bytes = dense_bytes(state)
         report.elements = report.changed_elements = sum(t.numel() for t in state.values())
         spool = Path(tempfile.mkdtemp(prefix=f"pulsesync-anchor-{step}-", dir=self.config.spool_dir))
@@ -419,7 +419,7 @@ class AsyncPublisher:
     async def _background_anchor(self, step: int, state: dict[str, torch.Tensor], digest: StateDigest) -> None:
         """The anchor of a step whose patch is committed; the chain goes on while it uploads."""
         try:
-            await self._publish_anchor(step, state, digest, (0.0, 0.0), step_committed=True)
+            await self._publish_anchor(step, state, digest, StepTiming(0.0, 0.0), step_committed=True)
         except ConflictError as e:
             self._fatal = e
             log.error("anchor %d: %s", step, e)

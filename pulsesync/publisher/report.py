@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pulsesync import metrics
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import Sizes
 
 log = logging.getLogger("pulsesync.publisher")
+
+
+class StepTiming(NamedTuple):
+    """What a step took before its objects were made: the host copy, then the state digest."""
+
+    snapshot_s: float
+    digest_s: float
 
 
 @dataclass

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, cast
 
 import torch
@@ -89,12 +90,25 @@ class _Changed(Exception):
     """The held state changed while a scrub was reading a tensor."""
 
 
+class SyncPath(str, Enum):
+    """How a sync reached the state it serves (JSON, metrics and logs carry the value)."""
+
+    UP_TO_DATE = "up-to-date"  # nothing newer than the held step
+    FAST = "fast"  # one patch from the held step, in place
+    CHAIN = "chain"  # several patches from the held step, in place
+    SLOW = "slow"  # an anchor and the patches after it
+    CACHE = "cache"  # the state cache, at start
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 @dataclass
 class SyncResult:
     """Outcome of one sync, as `pulsesync subscribe --once` prints it."""
 
     step: int
-    path: str  # up-to-date | fast | chain | slow
+    path: SyncPath
     digest: str
     seconds: float
     bytes_downloaded: int
@@ -108,7 +122,7 @@ class SyncResult:
 class _Staged(VerifiedState):
     """A verified state on its way to the sinks, and the path that produced it."""
 
-    path: str = ""
+    path: SyncPath = field(default_factory=lambda: SyncPath.SLOW)
     undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
     history: StepHistory | None = None  # of the last patch applied: the next patch's reference
     patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
@@ -128,7 +142,7 @@ class SubscriberStatus:
     digest: str | None = None
     consecutive_failures: int = 0
     last_error: str | None = None
-    paths: dict[str, int] = field(default_factory=dict)
+    paths: dict[SyncPath, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
     stream_id: str | None = None
     rejected_markers: int = 0  # ready markers skipped because they do not verify
@@ -195,12 +209,12 @@ class Subscriber:
         if cached is None:
             return
         await self._replay(cached)
-        if not await self._authentic(cached):
+        if not await self._authenticate_and_pin(cached):
             return
         self._journal = []
         self._journal_bytes = await asyncio.to_thread(state_cache.journal_bytes, self.config.cache_dir)
         log.info("resumed step %d from %s (digest %s)", cached.step, self.config.cache_dir, cached.digest.root)
-        staged = _Staged(cached.step, cached.state, cached.digest, cached.files, "cache", history=cached.history)
+        staged = _Staged(cached.step, cached.state, cached.digest, cached.files, SyncPath.CACHE, history=cached.history)
         await self._activate(staged, persist=False)
 
     async def _replay(self, cached: state_cache.CachedState) -> None:
@@ -236,7 +250,7 @@ class Subscriber:
                 return
             cached.step, cached.marker, cached.history = manifest.step, raw, history
 
-    async def _authentic(self, cached: state_cache.CachedState) -> bool:
+    async def _authenticate_and_pin(self, cached: state_cache.CachedState) -> bool:
         """Whether a signed manifest vouches for the cached state: the store's for its step, else the cached copy.
 
         The stream is pinned first: by the config, else by the cache's own signed marker (the stream
@@ -297,7 +311,7 @@ class Subscriber:
             log.info("following publishing stream %s", stream_id)
         self.status.stream_id = self.chain.stream_id
 
-    async def _compacted(self) -> None:
+    async def _wait_for_compaction(self) -> None:
         """Wait for a compaction of the state cache to finish (it holds the state lock); a failed one is retried."""
         if self._compacting is not None:
             try:
@@ -307,13 +321,13 @@ class Subscriber:
             finally:
                 self._compacting = None
 
-    async def saved(self) -> None:
+    async def wait_saved(self) -> None:
         """Wait until the served state is in cache_dir (a compaction in the background has finished)."""
-        await self._compacted()
+        await self._wait_for_compaction()
 
     async def close(self) -> None:
         """Finish writing the state cache; release the store."""
-        await self._compacted()
+        await self._wait_for_compaction()
         await self.chain.drop_read_ahead()
         if self._warm_up is not None:
             await asyncio.wait([self._warm_up])
@@ -345,7 +359,7 @@ class Subscriber:
 
     async def _sync(self, target: int | None) -> SyncResult:
         t0, downloaded = time.perf_counter(), self.chain.bytes_downloaded
-        await self._compacted()
+        await self._wait_for_compaction()
         newest = await self.chain.newest_verified()
         self.status.rejected_markers = len(self.chain.rejected)
         self.status.last_rejected = next(reversed(self.chain.rejected.values()), None)
@@ -374,7 +388,7 @@ class Subscriber:
                 staged = await self._slow(target)
         if staged is not None:
             await self._activate(staged)
-        path = staged.path if staged is not None else "up-to-date"
+        path = staged.path if staged is not None else SyncPath.UP_TO_DATE
         seconds = time.perf_counter() - t0
         got = self.chain.bytes_downloaded - downloaded
         metrics.BYTES_DOWNLOADED.inc(got)
@@ -401,7 +415,8 @@ class Subscriber:
         walk, links = await self.chain.walk(target, lambda s: s <= held, newer_than=held)
         if not walk.complete or walk.end != held:
             return None  # a gap (pruned, or an anchor in place of a failed patch), or another chain
-        staged = _Staged(target, self.state, self.digest, self.files, "fast" if len(links) == 1 else "chain")
+        path = SyncPath.FAST if len(links) == 1 else SyncPath.CHAIN
+        staged = _Staged(target, self.state, self.digest, self.files, path)
         self._state_lock.acquire()
         self._version += 1
         try:
@@ -417,7 +432,9 @@ class Subscriber:
     async def _slow(self, target: int) -> _Staged:
         """Slow path: the nearest anchor on the target's chain, then its patches."""
         rebuilt = await self.chain.reconstruct(target)
-        return _Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, "slow", history=rebuilt.history)
+        return _Staged(
+            rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, SyncPath.SLOW, history=rebuilt.history
+        )
 
     def _fallback(self, target: int, error: PulseSyncError) -> None:
         reason = type(error).__name__
@@ -649,7 +666,7 @@ class Subscriber:
         ok = ok and self._diverged is None
         return ok, asdict(self.status) | {"healthy": ok}
 
-    async def _report(self, path: str | None) -> None:
+    async def _report(self, path: SyncPath | None) -> None:
         """The fleet status after a sync (`path`) or an idle poll (None), when fleet statuses are on."""
         if self.fleet is not None:
             digest = self.digest.root if self.digest is not None else None
@@ -688,7 +705,7 @@ class Subscriber:
                     break
                 self.status.consecutive_failures = 0
                 metrics.HEALTHY.set(1)
-                if result.path != "up-to-date":
+                if result.path != SyncPath.UP_TO_DATE:
                     log.info("%s", result.to_json())
                 if self.poll is not None:
                     self.poll.listed()
