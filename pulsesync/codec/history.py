@@ -41,12 +41,6 @@ class PatchHistory:
     sha256: str
     chunks: dict[ChunkKey, ChunkHistory] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        """Memory the history holds."""
-        kept = [(c.positions, c.deltas, c.values) for c in self.chunks.values()]
-        return sum(p.nbytes + d.nbytes + (0 if v is None else v.nbytes) for p, d, v in kept)
-
 
 @dataclass
 class StepHistory:
@@ -69,8 +63,3 @@ class StepHistory:
     def add(self, sha256: str) -> PatchHistory:
         """An empty history for the object of this SHA-256, held here (an apply fills it)."""
         return self.patches.setdefault(sha256, PatchHistory(sha256))
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the histories hold."""
-        return sum(h.nbytes for h in self.patches.values())

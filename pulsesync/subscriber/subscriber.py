@@ -122,7 +122,7 @@ class SyncResult:
 class _Staged(VerifiedState):
     """A verified state on its way to the sinks, and the path that produced it."""
 
-    path: SyncPath = field(default_factory=lambda: SyncPath.SLOW)
+    path: SyncPath = SyncPath.SLOW
     undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
     history: StepHistory | None = None  # of the last patch applied: the next patch's reference
     patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
