@@ -44,6 +44,7 @@ from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import reconstruct
 from pulsesync.store import FileStore
 from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
@@ -91,7 +92,7 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
         patches = [r for r in reports if r.kind == "patch"]
         newest = max(r.step for r in reports)
         reader = ChainClient(FileStore(tmp), signing.trusted_keys([key.public_key()]))
-        rebuilt = asyncio.run(reader.reconstruct(newest))
+        rebuilt = asyncio.run(reconstruct(reader, newest))
         for name, t in states[newest].items():
             assert torch.equal(rebuilt.state[name].view(torch.int16), t.view(torch.int16)), name
     host_copy, publish = statistics.median(copies), statistics.median(latencies)

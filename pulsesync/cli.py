@@ -245,6 +245,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from pulsesync.errors import ConfigError
     from pulsesync.protocol import signing
     from pulsesync.protocol.chain import ChainClient
+    from pulsesync.rebuild import reconstruct
     from pulsesync.store import open_store
 
     config = _subscriber_config(args)
@@ -254,7 +255,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     async def run() -> None:
         async with open_store(config.store) as store:
             reader = ChainClient(store, signing.trusted_keys(config.trusted_keys), threads=config.codec.threads or 1)
-            rebuilt = await reader.reconstruct(args.step)
+            rebuilt = await reconstruct(reader, args.step)
             report = {
                 "step": rebuilt.step,
                 "anchor_step": rebuilt.anchor_step,

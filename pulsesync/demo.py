@@ -29,6 +29,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import parse_manifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import reconstruct
 from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.store import S3Store, Store, open_store
@@ -161,7 +162,7 @@ async def _demo(
         await publisher.close()
         truth = trainer.state()
         equal = {name: s.state is not None and _bits_equal(s.state, truth) for name, s in subs.items()}
-        rebuilt = await ChainClient(store, trusted).reconstruct()
+        rebuilt = await reconstruct(ChainClient(store, trusted))
         equal["store"] = rebuilt.step == steps and _bits_equal(rebuilt.state, truth)
         full = dense * steps
         out("")

@@ -35,6 +35,7 @@ LAYERS = {
     # receivers of verified states, and retention
     "sinks": 6,
     "retention": 6,
+    "rebuild": 6,
     # the daemons and tools
     "publisher": 7,
     "subscriber": 7,

@@ -23,6 +23,7 @@ from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import parse_manifest
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import reconstruct
 from pulsesync.retention import RetentionPolicy, RetentionWorker
 from pulsesync.store import FileStore, S3Store, Store
 from tests.support.helpers import assert_states_equal, trainer_states
@@ -168,5 +169,5 @@ async def test_a_prefix_in_the_older_layout_is_followed_continued_and_pruned(
     }
     fresh = subscriber(FileStore(root), key)
     for step in (10, 11):
-        rebuilt = await fresh.chain.reconstruct(step)
+        rebuilt = await reconstruct(fresh.chain, step)
         assert_states_equal(rebuilt.state, states[step])

@@ -24,6 +24,7 @@ from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import reconstruct
 from pulsesync.sinks.vllm_worker import WeightApplier
 from pulsesync.sinks.weight_update import build_update
 from pulsesync.store import FileStore
@@ -90,7 +91,7 @@ def test_a_trainer_on_cuda_publishes_a_chain_a_subscriber_rebuilds_and_applies_t
 
     async def sync_all() -> Subscriber:
         reader = ChainClient(FileStore(tmp_path), trusted)
-        rebuilt = await reader.reconstruct(4)  # anchor 3 + patch 4
+        rebuilt = await reconstruct(reader, 4)  # anchor 3 + patch 4
         assert rebuilt.anchor_step == 3 and rebuilt.patches_applied == 1
         assert_states_equal(rebuilt.state, states[4])
         subscriber = Subscriber(SubscriberConfig(), store=FileStore(tmp_path), trusted=trusted)

@@ -43,6 +43,7 @@ from pulsesync.integrations.rollout import RolloutBatch, RolloutClient
 from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import reconstruct
 from pulsesync.store import FileStore
 from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, rpc_all
 from tests.support.vllm_workload import TINY_LLAMA, checksums
@@ -134,7 +135,7 @@ def checkpoint_of(root: Path, chain: ChainClient, step: int) -> Path:
     """The published state at `step`, rebuilt from the store, as a model directory vLLM can start from."""
     out = root / f"step-{step}"
     out.mkdir()
-    state = asyncio.run(chain.reconstruct(step)).state
+    state = asyncio.run(reconstruct(chain, step)).state
     save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"))
     for f in (root / "launch").iterdir():
         if f.suffix != ".safetensors":

@@ -32,6 +32,7 @@ from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import verify_manifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import apply_step
 from pulsesync.store import RetryPolicy, S3Store, Store, StoreConfig
 from pulsesync.subscriber import Subscriber
 from tests.support.fault_proxy import FaultProxy
@@ -512,7 +513,7 @@ async def test_a_patch_that_decodes_far_beyond_the_held_state_is_refused_before_
     )
     chain = ChainClient(FileStore(tmp_path), {})
     with pytest.raises(CorruptPatchError, match="above the limit"):
-        await chain.apply(base, digest, manifest, data)
+        await apply_step(chain, base, digest, manifest, data)
     assert set(base) == {"w"}
 
 

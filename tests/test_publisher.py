@@ -23,6 +23,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, verify_manifest
 from pulsesync.publisher import AsyncPublisher, Publisher
 from pulsesync.publisher.config import PublisherConfig
+from pulsesync.rebuild import apply_step, reconstruct
 from pulsesync.store import FileStore, Store
 from tests.support.helpers import assert_states_equal, ready_kinds, trainer_states
 from tests.support.helpers import publisher_config as config
@@ -54,7 +55,7 @@ def marker_keys(kinds: dict[int, set[str]]) -> list[str]:
 async def assert_every_step_rebuilds(store: Store, key: Ed25519PrivateKey, states: tuple[dict, ...]) -> None:
     reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
     for step in await reader.ready():
-        rebuilt = await reader.reconstruct(step)
+        rebuilt = await reconstruct(reader, step)
         assert_states_equal(rebuilt.state, states[step])
 
 
@@ -138,8 +139,8 @@ async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, k
     assert isinstance(patch6, PatchManifest) and patch6.base_step == 4
     # A subscriber at step 4 applies patch 6 cleanly and lands bitwise on the trainer's step 6.
     reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
-    at4 = await reader.reconstruct(4)
-    digest = await reader.apply(at4.state, at4.digest, patch6, reference=at4.history)
+    at4 = await reconstruct(reader, 4)
+    digest = await apply_step(reader, at4.state, at4.digest, patch6, reference=at4.history)
     assert digest.root == patch6.state_digest.root
     assert_states_equal(at4.state, trainer_states(9)[6])
     await assert_every_step_rebuilds(store, key, trainer_states(9))
@@ -391,5 +392,5 @@ async def test_resume_publishes_an_anchor_when_the_chain_cannot_be_rebuilt(
         await publisher.publish(3, states[3])
     assert "cannot rebuild step 2" in caplog.text
     assert [(r.step, r.kind, r.ok) for r in publisher.reports] == [(3, "anchor", True)]
-    rebuilt = await ChainClient(store, trusted(key)).reconstruct(3)  # type: ignore[arg-type]
+    rebuilt = await reconstruct(ChainClient(store, trusted(key)), 3)  # type: ignore[arg-type]
     assert_states_equal(rebuilt.state, states[3])

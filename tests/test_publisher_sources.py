@@ -22,6 +22,7 @@ from pulsesync.publisher import Publisher
 from pulsesync.publisher.checkpoints import incomplete_reason, load_checkpoint
 from pulsesync.publisher.config import PublisherConfig, WatchConfig
 from pulsesync.publisher.sources import watch
+from pulsesync.rebuild import reconstruct
 from pulsesync.store import FileStore
 from tests.support.helpers import assert_states_equal, ready_kinds, write_checkpoint
 from tests.support.servers import free_port
@@ -100,7 +101,7 @@ async def test_watch_publishes_checkpoints_that_save_pretrained_writes_in_a_subp
         on_disk = {}
         for shard in sorted((ckpts / f"checkpoint-{step}").glob("*.safetensors")):
             on_disk.update(load_file(shard))
-        assert_states_equal((await reader.reconstruct(step)).state, on_disk)
+        assert_states_equal((await reconstruct(reader, step)).state, on_disk)
 
     # The anchor directory opens with from_pretrained as is and computes the same logits.
     anchor = await reader.manifest(3, "anchor")
@@ -211,8 +212,8 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
     ready = asyncio.run(ready_kinds(reader))
     # The initial weights are step 0, so engines launched from any checkpoint converge to a known policy.
     assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"patch"}}
-    assert_states_equal(asyncio.run(reader.reconstruct(0)).state, initial)
-    final = asyncio.run(reader.reconstruct(3))
+    assert_states_equal(asyncio.run(reconstruct(reader, 0)).state, initial)
+    final = asyncio.run(reconstruct(reader, 3))
     assert_states_equal(final.state, {n: t.detach() for n, t in model.state_dict().items()})
 
 
@@ -228,4 +229,4 @@ def test_cli_publish_synthetic_trainer_steps(tmp_path: Path, capsys: pytest.Capt
     reader = ChainClient(FileStore(store), signing.trusted_keys([key_dir / "publisher.pub"]))
     ready = asyncio.run(ready_kinds(reader))
     assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"anchor"}}
-    assert asyncio.run(reader.reconstruct()).step == 3
+    assert asyncio.run(reconstruct(reader)).step == 3

@@ -27,6 +27,7 @@ from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.fleet import FleetStatus
 from pulsesync.publisher import AsyncPublisher
+from pulsesync.rebuild import reconstruct
 from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.sinks import Sink, Update
@@ -56,7 +57,7 @@ async def ready_steps(store: Store) -> dict[int, set[str]]:
 async def assert_every_ready_step_reconstructs(store: Store) -> None:
     reader = ChainClient(store, TRUSTED)
     for step in sorted(await reader.ready()):
-        rebuilt = await reader.reconstruct(step)
+        rebuilt = await reconstruct(reader, step)
         assert_states_equal(rebuilt.state, trainer_states(STATES)[step])
 
 

@@ -1,8 +1,8 @@
-"""The chain client: ready listing, verified manifests and objects, link walking, anchors, reconstruction.
+"""The chain client: ready listing, verified manifests and objects, link walking.
 
 Everything read is checked before use: manifests against trusted keys, objects against the size
-and SHA-256 their manifest lists, states against the manifest's state digest. Shared by the
-publisher, the subscriber, retention, `pulsesync inspect` and `pulsesync verify`.
+and SHA-256 their manifest lists. Shared by the publisher, the subscriber, retention, `pulsesync
+inspect` and `pulsesync verify`; states are built from what it reads in `pulsesync.rebuild`.
 """
 
 from __future__ import annotations
@@ -11,28 +11,19 @@ import asyncio
 import datetime as dt
 import hashlib
 import logging
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from safetensors import SafetensorError
 
-from pulsesync.codec import StepHistory, UndoLog, apply_parts, apply_patch
-from pulsesync.digest import StateDigest, state_digest
-from pulsesync.dtypes import dense_bytes
+from pulsesync.digest import StateDigest
 from pulsesync.errors import (
     ForeignStreamError,
     IntegrityError,
-    MissingReferenceError,
     NotFoundError,
-    PulseSyncError,
     ReplayError,
 )
 from pulsesync.metrics import MARKERS_REJECTED
-from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned, pieces_metadata
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import (
     MAX_MANIFEST_BYTES,
@@ -43,24 +34,10 @@ from pulsesync.protocol.manifest import (
     verify_manifest,
 )
 from pulsesync.protocol.speculation import Speculation
-from pulsesync.sharding.layout import Assembly
 from pulsesync.store import ObjectInfo, Store
-from pulsesync.threads import in_thread_to_completion
-from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.chain")
 _VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
-DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
-MAX_ANCHORS_TRIED = 3  # a slow path passes at most this many failing anchors before it gives up
-
-
-@dataclass
-class Reconstruction(VerifiedState):
-    """A state rebuilt from the store and verified, with where its chain starts."""
-
-    anchor_step: int = -1
-    patches_applied: int = 0
-    history: StepHistory | None = None  # of the last patch applied: the reference of the next one
 
 
 @dataclass
@@ -384,203 +361,6 @@ class ChainClient:
         if len(manifest.objects) == 1:
             return await self.fetch(manifest.objects[0])
         return b"".join(await asyncio.gather(*map(self.fetch, manifest.objects)))
-
-    async def load_anchor(
-        self, manifest: AnchorManifest
-    ) -> tuple[dict[str, torch.Tensor], StateDigest, dict[str, bytes]]:
-        """The anchor's state (digest checked) and its non-weight files.
-
-        Each shard streams to a temporary file with parallel ranged GETs where the store has them,
-        its SHA-256 checked on the way, and is read back and deleted before the next: memory and
-        disk stay bounded by the state plus one shard.
-        """
-        state: dict[str, torch.Tensor] = {}
-        files: dict[str, bytes] = {}
-        assembly: Assembly | None = None
-        with tempfile.TemporaryDirectory(prefix=f"pulsesync-anchor-{manifest.step}-") as spool:
-            for ref in manifest.objects:
-                name = ref.key.rsplit("/", 1)[-1]
-                if not name.endswith(WEIGHT_SUFFIX):
-                    files[name] = await self.fetch(ref)
-                    continue
-                path = Path(spool) / name
-                done = await self.store.download_file(ref.key, path, expected_sha256=ref.sha256, expected_size=ref.size)
-                self.bytes_downloaded += done.size
-                try:
-                    shard = await asyncio.to_thread(load_owned, path)
-                    places = await asyncio.to_thread(pieces_metadata, path)
-                except SafetensorError as e:
-                    raise IntegrityError(f"{self.store.url}{ref.key}: not a valid safetensors file ({e})") from None
-                path.unlink()
-                if places is not None:  # one rank's pieces of a sharded anchor (docs/sharding.md)
-                    assembly = assembly or Assembly(f"anchor {manifest.step}")
-                    await asyncio.to_thread(assembly.add, shard, places)
-                    continue
-                if duplicate := state.keys() & shard.keys():
-                    raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
-                state.update(shard)
-        if assembly is not None:
-            pieced = assembly.finish()
-            if duplicate := state.keys() & pieced.keys():
-                raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
-            state.update(pieced)
-        digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, self.threads)
-        check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
-        files.pop(INDEX_FILE, None)  # describes the shards, which a reader lays out anew
-        return state, digest, files
-
-    async def apply(
-        self,
-        state: dict[str, torch.Tensor],
-        digest: StateDigest,
-        manifest: PatchManifest,
-        data: bytes | None = None,
-        undo: UndoLog | None = None,
-        reference: StepHistory | None = None,
-        history: StepHistory | None = None,
-    ) -> StateDigest:
-        """Apply a verified patch (its bytes fetched here unless given) in place; returns the checked new digest.
-
-        With `undo`, what the patch overwrote is logged there (also when it fails part way). A
-        history-coded patch (or part) needs `reference`, the history of the step it is coded
-        against; an empty `history` collects this step's own, one per object.
-        """
-        if digest.root != manifest.base_digest:
-            raise IntegrityError(
-                f"patch {manifest.step}: its base digest {manifest.base_digest} is not the held state's {digest.root}"
-            )
-        if data is None:
-            data = await self.fetch_patch(manifest)
-        # A patch never decodes to much more than the state it changes: a signed zstd bomb (a small
-        # frame declaring GiBs, sizes consistent) is refused before anything is allocated.
-        held_bytes = dense_bytes(state)
-        limit = held_bytes + held_bytes // 2 + DECODE_MARGIN_BYTES
-        against = reference.get(manifest.reference.sha256) if reference is not None and manifest.reference else None
-        if manifest.reference is not None and against is None:
-            raise MissingReferenceError(
-                f"patch {manifest.step}: coded against {manifest.reference.key}, whose history is not held "
-                "(a restart, or a step missed)"
-            )
-        # The thread writes into `state`: a cancelled caller must not roll back before it is done.
-        new: StateDigest | None
-        if len(manifest.objects) > 1:  # a sharded step: its parts compose to the manifest's digest
-            new = await in_thread_to_completion(
-                apply_parts,
-                state,
-                split_parts(manifest, data),
-                base_digest=digest,
-                threads=self.threads,
-                undo=undo,
-                max_decoded_bytes=limit,
-                expected=manifest.state_digest,
-                reference=reference,
-                history=history,
-            )
-        else:
-            new = await in_thread_to_completion(
-                apply_patch,
-                state,
-                data,
-                base_digest=digest,
-                threads=self.threads,
-                undo=undo,
-                max_decoded_bytes=limit,
-                reference=against,
-                history=history.add(manifest.objects[0].sha256) if history is not None else None,
-                expected=manifest.state_digest,
-            )
-        assert new is not None  # verify=True
-        check_digest(new, manifest.state_digest, f"patch {manifest.step}")
-        return new
-
-    async def reconstruct(self, step: int | None = None, anchors: int = MAX_ANCHORS_TRIED) -> Reconstruction:
-        """Rebuild a ready step (default: the newest) from the nearest anchor on its chain, verifying every link.
-
-        An anchor that fails (missing, damaged, forged) is passed for the one before it on the chain,
-        up to `anchors` tried: one bad anchor does not block every cold start until the next.
-        """
-        ready = await self.ready()
-        if not ready:
-            raise NotFoundError(f"{self.store.url}: no ready steps")
-        target = max(ready) if step is None else step
-        failed: dict[int, PulseSyncError] = {}
-        while len(failed) < anchors:
-            walk, links = await self.walk(target, lambda s: "anchor" in ready.get(s, ()) and s not in failed)
-            if not walk.complete:
-                if failed:  # the chain ends below the anchors that failed: say why they did
-                    raise failed[min(failed)]
-                raise NotFoundError(
-                    f"{self.store.url}: step {walk.end} is not ready, so step {target} cannot be rebuilt"
-                )
-            try:
-                anchor = await self.manifest(walk.end, "anchor")
-                assert isinstance(anchor, AnchorManifest)
-                if len(streams := {m.stream_id for m in [anchor, *links]}) > 1:
-                    raise ForeignStreamError(
-                        f"{self.store.url}: the chain to step {target} mixes streams {sorted(streams)}"
-                    )
-                if not links and "patch" in ready.get(target, ()):  # the step's commit says which state it is
-                    await self._check_anchor_is_commit(anchor)
-                state, digest, files = await self.load_anchor(anchor)
-            except (IntegrityError, NotFoundError) as e:
-                failed[walk.end] = e
-                log.warning("anchor %d: %s: %s; trying the anchor before it", walk.end, type(e).__name__, e)
-                continue
-            digest, history = await self.apply_chain(state, digest, links)
-            return Reconstruction(target, state, digest, files, walk.end, len(links), history)
-        raise failed[min(failed)]
-
-    async def _check_anchor_is_commit(self, anchor: AnchorManifest) -> None:
-        """IntegrityError unless an anchor of a step committed as a patch holds the state the commit signed."""
-        commit = await self.manifest(anchor.step, "patch")
-        if commit.state_digest.root != anchor.state_digest.root:
-            raise IntegrityError(
-                f"anchor {anchor.step}: state digest {anchor.state_digest.root} is not the one its step was committed "
-                f"with ({commit.state_digest.root})"
-            )
-
-    async def apply_chain(
-        self,
-        state: dict[str, torch.Tensor],
-        digest: StateDigest,
-        links: list[PatchManifest],
-        window: int = 4,
-        undo: list[UndoLog] | None = None,
-        reference: StepHistory | None = None,
-        applied: list[tuple[PatchManifest, bytes]] | None = None,
-    ) -> tuple[StateDigest, StepHistory | None]:
-        """Apply patches in order, downloading up to `window` patches ahead of the one being applied.
-
-        With `undo`, one log per patch started is appended there, so the caller can roll back.
-        With `applied`, each patch applied is appended there with its bytes (the state cache's journal).
-        `reference` is the history of the patch that produced `state` (None after an anchor).
-        Returns the new digest and the last patch's history.
-        """
-        fetches: dict[int, asyncio.Task[bytes]] = {}
-
-        def prefetch(i: int) -> None:
-            if i < len(links) and i not in fetches:
-                fetches[i] = asyncio.create_task(self.fetch_patch(links[i]))
-
-        try:
-            for i in range(min(window, len(links))):
-                prefetch(i)
-            for i, link in enumerate(links):
-                prefetch(i + window)
-                data = await fetches.pop(i)
-                if undo is not None:
-                    undo.append(UndoLog())
-                history = StepHistory()
-                log_ = undo[-1] if undo is not None else None
-                digest = await self.apply(state, digest, link, data, log_, reference, history)
-                reference = history
-                if applied is not None:
-                    applied.append((link, data))
-        finally:
-            for task in fetches.values():
-                task.cancel()
-            await asyncio.gather(*fetches.values(), return_exceptions=True)
-        return digest, reference
 
 
 def split_parts(manifest: PatchManifest, data: bytes) -> list[bytes]:

@@ -37,7 +37,7 @@ from pulsesync.errors import (
 )
 from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
 from pulsesync.protocol import layout, signing
-from pulsesync.protocol.chain import ChainClient, Reconstruction
+from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
 from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
@@ -46,6 +46,7 @@ from pulsesync.publisher.ownership import PrefixGuard, newest_own
 from pulsesync.publisher.report import StepReport, StepTiming
 from pulsesync.publisher.resume import resume_baseline
 from pulsesync.publisher.schedule import AnchorSchedule
+from pulsesync.rebuild import Reconstruction
 from pulsesync.retention import RetentionWorker
 from pulsesync.sharding.layout import Ownership
 from pulsesync.store import Store, open_store

@@ -10,6 +10,7 @@ from pulsesync import state_cache
 from pulsesync.errors import PulseSyncError
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
+from pulsesync.rebuild import reconstruct
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.publisher")
@@ -31,7 +32,7 @@ async def resume_baseline(
                 log.info("resumed at step %d from cache %s (digest %s)", newest, cache_dir, cached.digest.root)
                 return cached
     try:
-        rebuilt = await chain.reconstruct(newest)
+        rebuilt = await reconstruct(chain, newest)
     except PulseSyncError as e:
         log.warning(
             "cannot rebuild step %d from %s (%s); the first publish will be an anchor", newest, chain.store.url, e

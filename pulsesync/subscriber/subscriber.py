@@ -59,6 +59,7 @@ from pulsesync.errors import (
 from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient, check_patch
 from pulsesync.protocol.manifest import PatchManifest, verify_manifest
+from pulsesync.rebuild import apply_chain, apply_step, reconstruct
 from pulsesync.sinks import DirectorySinkConfig, Sink, Update, build_sinks
 from pulsesync.store import Store, open_store
 from pulsesync.subscriber.config import SubscriberConfig
@@ -240,8 +241,8 @@ class Subscriber:
                     )
                 check_patch(manifest, data, where)
                 history = StepHistory()
-                cached.digest = await self.chain.apply(
-                    cached.state, cached.digest, manifest, data, undo, cached.history, history
+                cached.digest = await apply_step(
+                    self.chain, cached.state, cached.digest, manifest, data, undo, cached.history, history
                 )
             except (PulseSyncError, OSError) as e:
                 undo.rollback(cached.state)
@@ -420,8 +421,14 @@ class Subscriber:
         self._state_lock.acquire()
         self._version += 1
         try:
-            staged.digest, staged.history = await self.chain.apply_chain(
-                self.state, self.digest, links, undo=staged.undo, reference=self.history, applied=staged.patches
+            staged.digest, staged.history = await apply_chain(
+                self.chain,
+                self.state,
+                self.digest,
+                links,
+                undo=staged.undo,
+                reference=self.history,
+                applied=staged.patches,
             )
         except BaseException:
             staged.rollback()
@@ -431,7 +438,7 @@ class Subscriber:
 
     async def _slow(self, target: int) -> _Staged:
         """Slow path: the nearest anchor on the target's chain, then its patches."""
-        rebuilt = await self.chain.reconstruct(target)
+        rebuilt = await reconstruct(self.chain, target)
         return _Staged(
             rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, SyncPath.SLOW, history=rebuilt.history
         )
