@@ -25,7 +25,7 @@ The parent then subscribes to every round's store of each world's first start an
 step bit for bit against the trainers' states, regenerated. Contracts (exit 1 when broken):
 bit-exact; per-rank peak <= 2.3x its shard; the pipeline with 2 ranks >= 1.15x faster than 1 rank
 publishing the whole model (each rank's part history-coded as the whole model is: the records'
-fixed costs do not halve with the elements, so 2 ranks measure 1.3-1.4x here; the bound catches a
+fixed costs do not halve with the elements, so 2 ranks measure 1.3-1.7x here; the bound catches a
 publish that does not run in parallel); the 2 ranks' parts <= 1.05x the unsharded patch's bytes,
 every step.
 
