@@ -396,11 +396,12 @@ def coding_leads(states: list[State], step: int) -> dict[str, float]:
 
 def rank_rows(state: State, world: int) -> list[dict[str, Rows | None]]:
     """FSDP2's split of each tensor's dim 0 over `world` ranks: ceil-sized row ranges, the last shorter or none."""
+    from sharded import rows_of  # bench/sharded.py (this folder is on sys.path)
+
     declared: list[dict[str, Rows | None]] = [{} for _ in range(world)]
     for name, t in state.items():
-        size = -(-t.shape[0] // world)
         for rank in range(world):
-            a, b = min(t.shape[0], rank * size), min(t.shape[0], (rank + 1) * size)
+            a, b = rows_of(tuple(t.shape), rank, world)
             declared[rank][name] = Rows(a, b, tuple(t.shape)) if b > a else None
     return declared
 

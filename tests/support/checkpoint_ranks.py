@@ -17,19 +17,11 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from real_llm import rank_rows  # bench/real_llm.py: the FSDP2 row split its parts column uses
+
 from pulsesync.publisher import Publisher, PublisherConfig
-from pulsesync.sharding import Rows
 from pulsesync.store import FileStore
-
-
-def fsdp2_rows(shapes: dict[str, tuple[int, ...]], rank: int, world: int) -> dict[str, Rows | None]:
-    """FSDP2's split of every tensor's dim 0: ceil-sized row ranges, the last ones shorter or none."""
-    declared: dict[str, Rows | None] = {}
-    for name, shape in shapes.items():
-        size = -(-shape[0] // world)
-        a, b = min(shape[0], rank * size), min(shape[0], (rank + 1) * size)
-        declared[name] = Rows(a, b, shape) if b > a else None
-    return declared
 
 
 def main() -> None:
@@ -38,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     states = [load_file(path) for path in checkpoints]
-    declared = fsdp2_rows({n: tuple(t.shape) for n, t in states[0].items()}, rank, world)
+    declared = rank_rows(states[0], world)[rank]
     config = PublisherConfig(signing_key=Path(key), anchor_interval=1000, on_backpressure="block")
     with Publisher(config, store=FileStore(Path(store)), declared=declared) as publisher:
         for step, whole in enumerate(states, start=1):
