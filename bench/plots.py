@@ -244,20 +244,18 @@ def subscriber(doc: dict[str, Any], out: Path) -> list[Path]:
 
 
 def sharded(doc: dict[str, Any], out: Path) -> list[Path]:
-    """Per world size: the publish pipeline per step against one rank's, and each rank's peak memory per shard."""
+    """Per world size: a patch step's publish against one rank's, and each rank's peak memory per shard."""
     out.mkdir(parents=True, exist_ok=True)
     runs = sorted(doc["runs"].values(), key=lambda r: r["world"])
     worlds = [str(r["world"]) for r in runs]
-    base = runs[0]["pipeline_s"]
+    base = runs[0]["step_s"]
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 3.6))
-    speed.bar(worlds, [r["pipeline_s"] * 1000 for r in runs], color="C0")
+    speed.bar(worlds, [r["step_s"] * 1000 for r in runs], color="C0")
     for i, r in enumerate(runs):
-        speed.annotate(
-            f"{base / r['pipeline_s']:.2f}x", (i, r["pipeline_s"] * 1000), ha="center", va="bottom", fontsize=8
-        )
+        speed.annotate(f"{base / r['step_s']:.2f}x", (i, r["step_s"] * 1000), ha="center", va="bottom", fontsize=8)
     speed.set_xlabel("ranks")
-    speed.set_ylabel("ms per step (critical path)")
-    speed.set_title("diff + encode + upload + commit per patch step", fontsize=9)
+    speed.set_ylabel("ms per step (rank 0)")
+    speed.set_title("publish() until committed, per patch step", fontsize=9)
     width = 0.38
     xs = range(len(runs))
     memory.bar([x - width / 2 for x in xs], [r["peak_over_shard"] for r in runs], width, label="fixed mmap threshold")

@@ -319,6 +319,7 @@ class AsyncPublisher:
         key = layout.patch_key(snap.step, self.run_id)
         try:
             t0 = time.perf_counter()
+            report.started = time.time()
             params = self.config.codec
             reference = self._history
             encoded = await asyncio.to_thread(
@@ -389,6 +390,7 @@ class AsyncPublisher:
         spool = Path(tempfile.mkdtemp(prefix=f"pulsesync-anchor-{step}-", dir=self.config.spool_dir))
         try:
             t0 = time.perf_counter()
+            report.started = time.time()
             try:
                 names = await asyncio.to_thread(
                     write_model_dir, state, spool, self.config.shard_size, dict(self._files)

@@ -27,6 +27,7 @@ class StepReport:
     step: int
     kind: layout.Kind
     ok: bool = False
+    started: float = 0.0  # wall clock (time.time()) when making its objects began
     snapshot_s: float = 0.0
     digest_s: float = 0.0
     encode_s: float = 0.0  # patches: diff + compress; anchors: writing the shards

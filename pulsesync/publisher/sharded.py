@@ -298,7 +298,7 @@ class ShardedPublisher:
             self._dense_bytes = sum(ps[0].tensor_bytes for ps in self._layout.values())
             pieces = {p.name: p for ps in self._layout.values() for p in ps if p.rank == self.rank}
             self._raw, self._keep = raw, frozenset(pieces)
-        t0 = time.perf_counter()
+        t0, report.started = time.perf_counter(), time.time()
         try:
             part = self._loop.run(self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
         except PulseSyncError as e:
