@@ -40,7 +40,6 @@ class Reconstruction(VerifiedState):
 
     anchor_step: int = -1
     patches_applied: int = 0
-    history: StepHistory | None = None  # of the last patch applied: the reference of the next one
 
 
 async def load_anchor(
@@ -133,7 +132,7 @@ async def apply_step(
             max_decoded_bytes=limit,
             expected=manifest.state_digest,
             reference=reference,
-            history=history,
+            histories=[history.add(ref.sha256) for ref in manifest.objects] if history is not None else None,
         )
     else:
         new = await in_thread_to_completion(
@@ -185,7 +184,7 @@ async def reconstruct(chain: ChainClient, step: int | None = None, anchors: int 
             log.warning("anchor %d: %s: %s; trying the anchor before it", walk.end, type(e).__name__, e)
             continue
         digest, history = await apply_chain(chain, state, digest, links)
-        return Reconstruction(target, state, digest, files, walk.end, len(links), history)
+        return Reconstruction(target, state, digest, files, history, walk.end, len(links))
     raise failed[min(failed)]
 
 

@@ -66,18 +66,16 @@ class CachedState(VerifiedState):
     """
 
     marker: bytes | None = None
-    history: StepHistory | None = None  # of the patch that produced the state: the next patch's reference
     journal: list[JournalEntry] = field(default_factory=list)  # patches after `step`, in step order: replay them
 
 
-def save(
-    cache_dir: Path, verified: VerifiedState, marker: bytes | None = None, history: StepHistory | None = None
-) -> None:
+def save(cache_dir: Path, verified: VerifiedState, marker: bytes | None = None) -> None:
     """Persist a verified state as the new base (its digest, files, signed marker and patch history); clear the journal.
 
     LocalWriteError if the disk refuses (full, read-only): the previous set is gone by then, never half-kept.
     """
     step, state, digest, files = verified.step, verified.state, verified.digest, verified.files
+    history = verified.history
     meta = cache_dir / META_FILE
     try:
         (cache_dir / FILES_DIR).mkdir(parents=True, exist_ok=True)
@@ -224,4 +222,4 @@ def load(cache_dir: Path, threads: int | None = None) -> CachedState | None:
         return None
     history = _load_history(cache_dir / HISTORY_FILE)
     journal = [e for e in journal_entries(cache_dir) if e.step > step]
-    return CachedState(step, state, digest, files, marker, history, journal)
+    return CachedState(step, state, digest, files, history, marker, journal)

@@ -12,14 +12,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pulsesync.codec.history import StepHistory
 from pulsesync.digest import StateDigest
 
 
 @dataclass
 class VerifiedState:
-    """Tensors at a step, their checked digest, and the non-weight files (config.json, tokenizer) that go with them."""
+    """Tensors at a step, their checked digest, the non-weight files (config.json, tokenizer) that go with them,
+    and the history of the patch that produced them (the reference of the next, history-coded patch; None after
+    an anchor, or where it is not kept)."""
 
     step: int
     state: dict[str, torch.Tensor]
     digest: StateDigest
     files: dict[str, bytes] = field(default_factory=dict)
+    history: StepHistory | None = None

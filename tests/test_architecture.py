@@ -23,16 +23,16 @@ LAYERS = {
     "digest": 2,
     "model_dir": 2,
     "synthetic": 2,
-    "verified": 3,
     "sharding": 3,
     # pure codec and the store layer
     "codec": 4,
     "store": 4,
-    # the protocol and what shares it
+    # the protocol and what shares it, the record of a verified state
     "protocol": 5,
     "config": 5,
-    "state_cache": 5,
+    "verified": 5,
     # receivers of verified states, and retention
+    "state_cache": 6,
     "sinks": 6,
     "retention": 6,
     "rebuild": 6,

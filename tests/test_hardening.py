@@ -587,7 +587,8 @@ async def test_disk_full_in_the_directory_sink_and_cache_keeps_the_daemon_servin
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
     try:
-        await wait_for(lambda: sub.step == 10 and not sub._unsaved, "step 10 once there is room", sub=sub)
+        saved = lambda: sub.step == 10 and sub.cache is not None and not sub.cache.unsaved  # noqa: E731
+        await wait_for(saved, "step 10 once there is room", sub=sub)
         assert_serving(sub, 10)
         assert (tmp_path / "out" / "current").resolve().name.endswith("10")
     finally:

@@ -125,7 +125,13 @@ def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_
             assert any("HISTORY/" in coding for p in parts for coding in p.codings)
         collected = StepHistory()
         base_digest = state_digest(states[step - 1])
-        got = apply_parts(held, [p.data for p in parts], base_digest=base_digest, reference=history, history=collected)
+        got = apply_parts(
+            held,
+            [p.data for p in parts],
+            base_digest=base_digest,
+            reference=history,
+            histories=[collected.add(p.history.sha256) for p in parts],
+        )
         assert_states_equal(held, states[step])
         assert got.root == state_digest(states[step]).root
         assert [h.chunks.keys() for h in collected.patches.values()] == [p.history.chunks.keys() for p in parts]
@@ -166,7 +172,13 @@ def test_strided_parts_history_coded_where_chunk_keys_repeat_across_ranks() -> N
         if step > 1:
             assert all(any(c.startswith("HISTORY/") for c in p.codings) for p in parts)
         collected = StepHistory()
-        got = apply_parts(held, [p.data for p in parts], base_digest=digest, reference=history, history=collected)
+        got = apply_parts(
+            held,
+            [p.data for p in parts],
+            base_digest=digest,
+            reference=history,
+            histories=[collected.add(p.history.sha256) for p in parts],
+        )
         assert_states_equal(held, new)
         assert got.root == state_digest(new).root
         history, references = collected, [p.history for p in parts]

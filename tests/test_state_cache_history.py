@@ -24,7 +24,7 @@ def test_the_cached_history_keeps_every_part_and_reads_the_one_patch_file_of_old
         PatchHistory("aa" * 32, {chunk: ChunkHistory(np.array([1, 5], np.int64), np.array([1, -1], np.int16))}),
         PatchHistory("bb" * 32, {chunk: ChunkHistory(np.array([2], np.int64), np.array([3], np.int16))}),
     ]
-    state_cache.save(tmp_path, VerifiedState(7, state, state_digest(state)), history=StepHistory.of(*parts))
+    state_cache.save(tmp_path, VerifiedState(7, state, state_digest(state), history=StepHistory.of(*parts)))
     loaded = state_cache.load(tmp_path)
     assert loaded is not None and loaded.history is not None
     assert list(loaded.history.patches) == [p.sha256 for p in parts]

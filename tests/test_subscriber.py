@@ -7,6 +7,7 @@ bitwise correct. Objects and manifests are damaged by rewriting them in the real
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -331,7 +332,7 @@ async def test_apply_to_overwrites_a_module_bit_exactly(
         sub.apply_to(module)
     module = torch.nn.ParameterDict({n.replace(".", "_"): torch.zeros_like(t) for n, t in sub.state.items()})  # type: ignore[union-attr]
     renamed = {n.replace(".", "_"): t for n, t in sub.state.items()}  # type: ignore[union-attr]
-    sub.state = renamed
+    sub.held.served = dataclasses.replace(sub.held.served, state=renamed)  # type: ignore[type-var]
     sub.apply_to(module)
     assert_states_equal({n: p.data for n, p in module.items()}, renamed)
 

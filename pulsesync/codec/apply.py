@@ -8,7 +8,6 @@ copy of a state and still restore it bit for bit.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterable, MutableMapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
@@ -384,7 +383,7 @@ def apply_parts(
     undo: UndoLog | None = None,
     expected: StateDigest | None = None,
     reference: StepHistory | None = None,
-    history: StepHistory | None = None,
+    histories: Sequence[PatchHistory] | None = None,
 ) -> StateDigest:
     """Apply a sharded step's parts in order, in place; returns the digest they compose to.
 
@@ -392,8 +391,9 @@ def apply_parts(
     (`base_digest`); the caller checks the result against the step's signed manifest (`expected`,
     returned as the result when they compose to it). A history-coded part needs the history of
     the part it names in `reference` (the step before's, MissingReferenceError otherwise); pass
-    an empty `history` to collect each part's own, by its SHA-256. On any error `state` may be
-    partially patched: roll `undo` back.
+    an empty history per part in `histories` (each named by its part's SHA-256, from the signed
+    manifest) to collect each part's own. On any error `state` may be partially patched: roll
+    `undo` back.
     """
     if base_digest.algorithm not in INCREMENTAL:
         raise IntegrityError(f"a sharded patch needs an incremental digest, the state has {base_digest.algorithm}")
@@ -413,7 +413,7 @@ def apply_parts(
             raise CorruptPatchError(f"part {index} of a sharded step: tensor {whole[0]!r} has a whole-tensor record")
         against = reference.get(header.reference_sha256) if reference is not None else None
         _check_reference(header.reference_sha256, against, f"part {index}")
-        own = history.add(hashlib.sha256(patch).hexdigest()) if history is not None else None
+        own = histories[index] if histories is not None else None
         moved += _apply_records(state, parser, raw_records, len(patch), undo, against, own, threads, True, True)[0]
     return update_digest(base_digest, state, moved, [], expected)
 

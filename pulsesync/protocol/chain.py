@@ -69,6 +69,12 @@ class ChainClient:
     _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest, str]] = field(default_factory=dict)
 
     # --- the ready listing ---------------------------------------------------------------------
+    def pin_stream(self, stream_id: str) -> None:
+        """Follow this stream from now on, unless one is pinned already: later manifests must be of it."""
+        if self.stream_id is None and stream_id:
+            self.stream_id = stream_id
+            log.info("following publishing stream %s", stream_id)
+
     async def refresh(
         self, *, from_start: bool = False, anchors: bool = False
     ) -> list[tuple[layout.ReadyEntry, ObjectInfo]]:

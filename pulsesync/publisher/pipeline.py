@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -46,7 +47,6 @@ from pulsesync.publisher.ownership import PrefixGuard, newest_own
 from pulsesync.publisher.report import StepReport, StepTiming
 from pulsesync.publisher.resume import resume_baseline
 from pulsesync.publisher.schedule import AnchorSchedule
-from pulsesync.rebuild import Reconstruction
 from pulsesync.retention import RetentionWorker
 from pulsesync.sharding.layout import Ownership
 from pulsesync.store import Store, open_store
@@ -131,7 +131,7 @@ class AsyncPublisher:
     async def _resume_history(self) -> None:
         """Take up the history of the baseline's patch (rebuilt, or cached beside the state), so the next patch
         is history-coded as an uninterrupted publisher codes it; a history that is not that patch's is dropped."""
-        history = self._base.history if isinstance(self._base, (Reconstruction, state_cache.CachedState)) else None
+        history = self._base.history if self._base is not None else None
         if history is None or self._base is None:
             return
         last_patch = await self._chain.manifest(self._base.step, "patch")
@@ -169,7 +169,7 @@ class AsyncPublisher:
             await self.store.close()
         if self.config.cache_dir is not None and self._base is not None:
             history = StepHistory.of(self._history) if self._history is not None else None
-            await asyncio.to_thread(state_cache.save, self.config.cache_dir, self._base, history=history)
+            await asyncio.to_thread(state_cache.save, self.config.cache_dir, replace(self._base, history=history))
 
     async def __aenter__(self) -> AsyncPublisher:
         await self.start()

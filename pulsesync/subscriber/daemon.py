@@ -1,0 +1,148 @@
+"""The subscriber daemon: follow the store until stopped (poll, sync, back off on failures, scrub on a timer),
+serving /metrics and /healthz. It drives a subscriber through what `Follower` names, and reads nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Protocol, cast
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_never,
+    wait_exponential,
+)
+
+from pulsesync import metrics
+from pulsesync.errors import NothingPublishedError, PulseSyncError
+from pulsesync.subscriber.config import SubscriberConfig
+from pulsesync.subscriber.paths import SyncPath, SyncResult
+from pulsesync.subscriber.poll import PointerPoll
+from pulsesync.subscriber.status import SubscriberStatus
+
+log = logging.getLogger("pulsesync.subscriber")
+
+
+class Follower(Protocol):
+    """What the daemon drives: a subscriber."""
+
+    config: SubscriberConfig
+    status: SubscriberStatus
+    poll: PointerPoll | None
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def serving(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def sync(self, target: int | None = None) -> SyncResult: ...
+
+    async def scrub(self) -> list[str]: ...
+
+    def healthy(self) -> tuple[bool, dict[str, Any]]: ...
+
+    async def report(self, path: SyncPath | None) -> None: ...
+
+
+def _worth_retrying(error: BaseException) -> bool:
+    """Every pulsesync error but an empty prefix, which a daemon waits out at its poll interval."""
+    return isinstance(error, PulseSyncError) and not isinstance(error, NothingPublishedError)
+
+
+def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | None = None) -> AsyncRetrying:
+    """The retry policy of failed syncs: exponential backoff, retry_initial_seconds doubling to retry_max_seconds.
+
+    Each failure is recorded (status, metrics, log); a set `stop` cuts a backoff wait short.
+    """
+
+    async def sleep(seconds: float) -> None:
+        if stop is None:
+            return await asyncio.sleep(seconds)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+
+    def failed(state: RetryCallState) -> None:
+        assert state.outcome is not None
+        error = cast(PulseSyncError, state.outcome.exception())
+        follower.status.consecutive_failures += 1
+        follower.status.last_error = f"{type(error).__name__}: {error}"
+        metrics.SYNC_FAILURES.inc()
+        metrics.HEALTHY.set(int(follower.healthy()[0]))
+        log.error("sync failed (%s); still serving step %d", follower.status.last_error, follower.step)
+
+    config = follower.config
+    return AsyncRetrying(
+        stop=stop_never if attempts is None else stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=config.retry_initial_seconds, max=config.retry_max_seconds),
+        retry=retry_if_exception(_worth_retrying),
+        after=failed,
+        sleep=sleep,
+        reraise=True,
+    )
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def _scrub_periodically(follower: Follower, interval: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await _wait(stop, interval)
+        if not stop.is_set():
+            await follower.scrub()
+
+
+async def run(follower: Follower, stop: asyncio.Event) -> None:
+    """Follow the store until stop is set: poll, sync, back off on failures; serve /metrics and /healthz."""
+    config = follower.config
+    await follower.start()
+    runner = None
+    if config.metrics_port is not None:
+        runner = await metrics.serve_with_health(config.metrics_port, follower.healthy)
+    scrubbing, said_waiting = None, False
+    if config.scrub_interval_seconds is not None:
+        scrubbing = asyncio.create_task(
+            _scrub_periodically(follower, config.scrub_interval_seconds, stop), name="pulsesync-scrub"
+        )
+    try:
+        while not stop.is_set():
+            if follower.poll is not None and follower.serving and not await follower.poll.worth_listing():
+                await follower.report(None)
+                await _wait(stop, config.poll_seconds)  # the pointer did not change: nothing new
+                continue
+            result = None
+            try:
+                async for attempt in retrying(follower, None, stop):  # until a sync succeeds or stop is set
+                    with attempt:
+                        if not stop.is_set():
+                            result = await follower.sync()
+            except NothingPublishedError as e:  # the start of a run: poll on at the usual interval
+                if not said_waiting:
+                    log.info("%s; polling every %g s", e, config.poll_seconds)
+                    said_waiting = True
+                await _wait(stop, config.poll_seconds)
+                continue
+            if result is None:
+                break
+            follower.status.consecutive_failures = 0
+            metrics.HEALTHY.set(1)
+            if result.path != SyncPath.UP_TO_DATE:
+                log.info("%s", result.to_json())
+            if follower.poll is not None:
+                follower.poll.listed()
+            await follower.report(result.path)  # best effort, after the health the sync earned
+            await _wait(stop, config.poll_seconds)
+    finally:
+        if scrubbing is not None:
+            scrubbing.cancel()
+            await asyncio.gather(scrubbing, return_exceptions=True)
+        if runner is not None:
+            await runner.cleanup()

@@ -1,0 +1,99 @@
+"""The ways a sync reaches its target, each staging a verified state for the sinks.
+
+Fast (one patch) and chain (several) patch the held state in place, each patch under an undo log,
+and roll it back bit for bit on any failure; slow builds its state in a buffer of its own from the
+nearest anchor on the target's chain. A staged state reaches the sinks only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+from pulsesync.codec import UndoLog
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.manifest import PatchManifest
+from pulsesync.rebuild import apply_chain, reconstruct
+from pulsesync.subscriber.held import HeldState
+from pulsesync.verified import VerifiedState
+
+
+class SyncPath(str, Enum):
+    """How a sync reached the state it serves (JSON, metrics and logs carry the value)."""
+
+    UP_TO_DATE = "up-to-date"  # nothing newer than the held step
+    FAST = "fast"  # one patch from the held step, in place
+    CHAIN = "chain"  # several patches from the held step, in place
+    SLOW = "slow"  # an anchor and the patches after it
+    CACHE = "cache"  # the state cache, at start
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclass
+class SyncResult:
+    """Outcome of one sync, as `pulsesync subscribe --once` prints it; what poll and fleet reports observe."""
+
+    step: int
+    path: SyncPath
+    digest: str
+    seconds: float
+    bytes_downloaded: int
+
+    def to_json(self) -> str:
+        """One JSON line."""
+        return json.dumps(asdict(self) | {"seconds": round(self.seconds, 3)})
+
+
+@dataclass
+class Staged(VerifiedState):
+    """A verified state on its way to the sinks, and the path that produced it."""
+
+    path: SyncPath = SyncPath.SLOW
+    undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
+    patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
+
+    def rollback(self) -> None:
+        """Undo in-place patches, newest first."""
+        for log_ in reversed(self.undo):
+            log_.rollback(self.state)
+        self.undo.clear()
+
+
+async def incremental(chain: ChainClient, held: HeldState, target: int) -> Staged | None:
+    """Fast or chain path: patches from the held step to target, or None when they do not connect.
+
+    Patches the held state in place, each patch under an undo log; on failure it is rolled back.
+    Returns with the held state's lock taken: the caller ends the patch once the sinks took the state.
+    """
+    served = held.served
+    assert served is not None
+    walk, links = await chain.walk(target, lambda s: s <= served.step, newer_than=served.step)
+    if not walk.complete or walk.end != served.step:
+        return None  # a gap (pruned, or an anchor in place of a failed patch), or another chain
+    path = SyncPath.FAST if len(links) == 1 else SyncPath.CHAIN
+    staged = Staged(target, served.state, served.digest, served.files, path=path)
+    held.begin_patch()
+    try:
+        staged.digest, staged.history = await apply_chain(
+            chain,
+            served.state,
+            served.digest,
+            links,
+            undo=staged.undo,
+            reference=served.history,
+            applied=staged.patches,
+        )
+    except BaseException:
+        staged.rollback()
+        held.end_patch()
+        raise
+    return staged
+
+
+async def slow(chain: ChainClient, target: int) -> Staged:
+    """Slow path: the nearest anchor on the target's chain, then its patches."""
+    rebuilt = await reconstruct(chain, target)
+    return Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, rebuilt.history, SyncPath.SLOW)
