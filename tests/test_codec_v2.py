@@ -624,7 +624,7 @@ async def _publish(pub: AsyncPublisher, steps: range) -> None:
 
 
 async def _patch_manifests(pub: AsyncPublisher, steps: range) -> dict[int, Any]:
-    return {s: await pub._chain.manifest(s, "patch") for s in steps}
+    return {s: await pub.rounds.chain.manifest(s, "patch") for s in steps}
 
 
 async def test_slow_path_from_an_anchor_into_a_history_coded_chain(store: Store, key: Any) -> None:
@@ -645,10 +645,10 @@ async def test_slow_path_from_an_anchor_into_a_history_coded_chain(store: Store,
     assert (await late.sync(9)).path == "fast"
     assert_states_equal(late.state, REAL_LIKE[9])
 
-    late.history = None  # as if its cached history were lost: the reference is not held
+    late.held.served.history = None  # type: ignore[union-attr]  # as if its cached history were lost: the reference is not held
     async with AsyncPublisher(publisher_config(anchor_interval=50, resume=True), store=store, signing_key=key) as pub:
         await _publish(pub, range(10, 12))
-        assert (await pub._chain.manifest(10, "patch")).reference is not None  # resumed history
+        assert (await pub.rounds.chain.manifest(10, "patch")).reference is not None  # resumed history
     result = await late.sync(11)
     assert result.path == "slow" and late.status.fallbacks == {"MissingReferenceError": 1}
     assert_states_equal(late.state, REAL_LIKE[11])

@@ -205,7 +205,7 @@ async def test_a_marker_race_is_lost_cleanly_by_put_if_absent(tmp_path: Path, ke
     await late.start()
     intruder = await store.get(layout.commit_key(1))
     await store.put_if_absent(layout.commit_key(2), intruder)  # appears after late's listing
-    late._chain._last_key = layout.commit_key(2)  # as if its listing ran just before the intruder wrote
+    late.rounds.chain._last_key = layout.commit_key(2)  # as if its listing ran just before the intruder wrote
     await late.publish(2, states[2])
     with pytest.raises(ConflictError, match="already exists: another publisher"):
         await late.flush()

@@ -34,7 +34,7 @@ async def test_a_fast_path_step_journals_its_patch_not_the_state(
     cache = tmp_path / "cache"
     written = await _follow(store, key, cache, range(5, 9))
     base = (cache / state_cache.STATE_FILE).stat()
-    patches = [await publisher._chain.manifest(s, "patch") for s in (6, 7, 8)]
+    patches = [await publisher.rounds.chain.manifest(s, "patch") for s in (6, 7, 8)]
     entries = state_cache.journal_entries(cache)
     assert [e.step for e in entries] == [6, 7, 8]
     # Exactly each patch and its signed manifest: no state was rewritten.
@@ -61,7 +61,7 @@ async def test_a_damaged_journal_entry_stops_the_replay_there(
     elif damage == "manifest":
         entry.manifest_path.write_bytes(entry.manifest_path.read_bytes().replace(b'"step":7', b'"step":9'))
     else:  # validly signed, by a key the subscriber does not trust
-        manifest = await publisher._chain.manifest(7, "patch")
+        manifest = await publisher.rounds.chain.manifest(7, "patch")
         entry.manifest_path.write_bytes(manifest.signed(Ed25519PrivateKey.generate()).to_bytes())
     restarted = subscriber(store, key, cache_dir=cache)
     await restarted.start()

@@ -28,7 +28,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.pipeline import multi_rank
+from pulsesync.publisher.coordinator import multi_rank
 
 StateDictFn = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pulsesync.dtypes import State
+from pulsesync.sharding.layout import Piece
 
 Buffers = dict[str, torch.Tensor]
 FileSource = Mapping[str, Path | str | bytes]
@@ -99,9 +100,10 @@ class HostCopyPool:
 
 @dataclass
 class HostCopy:
-    """A step's state copied to host memory, queued for the pipeline (what `AsyncPublisher.submit` takes)."""
+    """A step's state (on a rank of a sharded job, its pieces) copied to host memory, queued for the rounds."""
 
     step: int
     state: Buffers
     seconds: float  # the copy's duration: the step report's snapshot_s
     files: dict[str, bytes] = field(default_factory=dict)
+    pieces: dict[str, Piece] | None = None  # on a rank of a sharded job: what it owns of each tensor

@@ -1,7 +1,7 @@
-"""The publisher on one rank of a multi-rank trainer: each rank publishes the pieces it owns; one commit per step.
+"""The rounds of one rank of a multi-rank trainer: each rank publishes the pieces it owns; one commit per step.
 
-Per step, on every rank, on a thread and a gloo process group of pulsesync's own (never the
-trainer's collectives):
+Per step, on every rank, through the coordinator (`publisher/coordinator.py`: a gloo process group
+of pulsesync's own, never the trainer's collectives):
 
 1. the rank encodes its pieces against its own baseline (a patch part) or writes them (an
    anchor's pieces file) and uploads that object itself, with the store's bounded, retried calls;
@@ -19,19 +19,13 @@ failure table.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import datetime as dt
 import logging
-import queue
 import secrets
 import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -48,17 +42,17 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import ObjectRef, Sizes
 from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
-from pulsesync.publisher.host_copy import FileSource, HostCopyPool, read_files
+from pulsesync.publisher.coordinator import Coordinator
+from pulsesync.publisher.host_copy import HostCopy, HostCopyPool, read_files
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
 from pulsesync.publisher.report import StepReport
+from pulsesync.publisher.rounds import Record, Rounds
 from pulsesync.publisher.schedule import AnchorSchedule
 from pulsesync.sharding.layout import Ownership, Piece, local_pieces, validate
-from pulsesync.store import Store, open_store
-from pulsesync.threads import LoopThread
+from pulsesync.store import Store
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.publisher")
-_STOP = object()
 
 
 @dataclass
@@ -84,14 +78,6 @@ class _Outcome:
     fatal: PulseSyncError | None = None  # stops every rank's publisher (a conflict, a bad layout)
 
 
-@dataclass
-class _Snapshot:
-    step: int
-    tensors: dict[str, torch.Tensor]  # this rank's pieces, copied to host memory
-    files: dict[str, bytes]
-    seconds: float
-
-
 def _piece_sums(piece: Piece, t: torch.Tensor) -> tuple[int, int]:
     """The mixsum-128 lanes of a piece's elements at their global flat indices (run by run)."""
     values, run, sums = mixsum.unsigned(flat_bits(t).numpy()), piece.run, (0, 0)
@@ -100,8 +86,8 @@ def _piece_sums(piece: Piece, t: torch.Tensor) -> tuple[int, int]:
     return sums
 
 
-class ShardedPublisher:
-    """What `Publisher` runs on each rank of a multi-rank job: call it from every rank, with each rank's state.
+class ShardedRounds(Rounds):
+    """What each rank of a multi-rank job publishes: construct the publisher on every rank, with each rank's state.
 
     `publish(step, state)` takes `model.state_dict()` as is: DTensors (FSDP2, tensor parallel)
     describe their own pieces; a plain tensor is whole and this rank's unless `declared` names it
@@ -109,37 +95,27 @@ class ShardedPublisher:
     are taken from rank 0.
     """
 
+    stops_on_failure = True
+    copies_when_idle = True
+
     def __init__(
         self,
         config: PublisherConfig,
-        *,
-        store: Store | None = None,
-        signing_key: Ed25519PrivateKey | None = None,
-        group: Any = None,
+        store: Store,
+        key: Ed25519PrivateKey | None,
+        record: Record,
+        coordinator: Coordinator,
         declared: Mapping[str, Ownership] | None = None,
     ) -> None:
-        import torch.distributed as dist
-
         if config.codec.digest_algorithm not in INCREMENTAL:
             algorithm = config.codec.digest_algorithm
             raise ConfigError(f"codec.digest_algorithm: a sharded publish needs mixsum-128, not {algorithm}")
-        self.config = config
-        timeout = dt.timedelta(seconds=config.sharding.timeout_seconds)
-        self._group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
-        self.rank, self.world = dist.get_rank(self._group), dist.get_world_size(self._group)
-        self._root_rank = dist.get_global_rank(self._group, 0)
+        self.config, self.store, self._key, self._record, self._coordinator = config, store, key, record, coordinator
+        self.rank, self.world = coordinator.rank, coordinator.world
         self._declared = dict(declared or {})
-        self._key = signing_key
-        if self.rank == 0 and self._key is None:
-            if config.signing_key is None:
-                raise ConfigError("signing_key: rank 0 commits every step and needs the Ed25519 private key")
-            self._key = signing.load_private_key(config.signing_key)
-        self.store = store or open_store(config.store)
-        self.reports: deque[StepReport] = deque(maxlen=1000)
-        self.skipped = 0  # steps are never skipped: every rank must publish the same ones
-        self._loop = LoopThread("pulsesync-rank-loop")
+        self.run_id = self.stream_id = ""  # rank 0's, told to every rank at start
         self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
-        self._base: _Snapshot | None = None  # this rank's pieces at the last committed step
+        self._base: HostCopy | None = None  # this rank's pieces at the last committed step
         self._history: PatchHistory | None = None  # this rank's part of the last committed step's: the reference
         self._encoded: PatchHistory | None = None  # of the part this round uploaded, until its outcome is known
         self._base_root = ""
@@ -151,35 +127,35 @@ class ShardedPublisher:
         self._digest: StateDigest | None = None  # rank 0: the whole model's, at the last committed step
         self._committed_step = -1  # rank 0: the last step whose commit marker it wrote
         self._anchor_next = True
-        self._fatal: BaseException | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.max_pending)
-        self._pool = HostCopyPool(keep=1)  # the baseline's and the next copy's buffers, recycled: no allocator churn
+        self.pool = HostCopyPool(keep=1)  # the baseline's and the next copy's buffers, recycled: no allocator churn
         self._chain: ChainClient | None = None
         self._dense_bytes = 0  # of the whole model, from the layout
         self._files = read_files({p.name: p for p in config.extra_files})  # rank 0: what anchors carry
         self._guard: PrefixGuard | None = None
-        try:
-            start: list[Any] = [self._start_on_root() if self.rank == 0 else None]
-            dist.broadcast_object_list(start, src=self._root_rank, group=self._group)
-            if isinstance(start[0], BaseException):
-                raise start[0]
-            self.stream_id, self.run_id, self._last_step = start[0]
-        except BaseException:
-            self._loop.stop()
-            raise
-        self._worker = threading.Thread(target=self._work, name="pulsesync-rank-publisher", daemon=True)
-        self._worker.start()
+
+    async def _collective(self, call: Callable[[Any], Any], obj: Any) -> Any:
+        """A blocking collective, off the event loop."""
+        return await asyncio.to_thread(call, obj)
 
     # --- start ---------------------------------------------------------------------------------
-    def _start_on_root(self) -> tuple[str, str, int] | PulseSyncError:
+    async def start(self) -> int:
+        """Rank 0 reads the prefix (the stream to continue, the newest step) and tells every rank."""
+        found = await self._start_on_root() if self.rank == 0 else None
+        found = await self._collective(self._coordinator.broadcast, found)
+        if isinstance(found, BaseException):
+            raise found
+        self.stream_id, self.run_id, last_step = found
+        return int(last_step)
+
+    async def _start_on_root(self) -> tuple[str, str, int] | PulseSyncError:
         """Rank 0: the prefix's stream to continue (or a new one) and the newest step in it."""
         assert self._key is not None
         chain = ChainClient(self.store, signing.trusted_keys([self._key.public_key()]), self.config.codec.threads or 1)
         self._chain, self._guard = chain, PrefixGuard(chain)
         stream = secrets.token_hex(8)
         try:
-            self._loop.run(self._guard.scan())
-            newest, last = self._loop.run(newest_own(chain, self.config.take_over_prefix, stream))
+            await self._guard.scan()
+            newest, last = await newest_own(chain, self.config.take_over_prefix, stream)
         except PulseSyncError as e:
             return e
         if newest is not None:
@@ -190,134 +166,81 @@ class ShardedPublisher:
         return stream, secrets.token_hex(4), last
 
     # --- the trainer's side ----------------------------------------------------------------------
-    def publish(self, step: int, state: State, files: FileSource | None = None) -> None:
-        """Copy this rank's pieces to host memory once the previous step is committed, and queue the step.
-
-        Waiting for the previous step bounds a rank at its baseline plus one copy (2x its shard):
-        its pipeline is a world's share of the model's, so the wait is short.
-        """
-        self._queue.join()
-        self._raise_fatal()
-        if step <= self._last_step:
-            raise ConflictError(
-                f"step {step} is not newer than step {self._last_step}, already published to {self.store.url}; "
-                "steps must strictly increase"
-            )
+    def copy(self, step: int, state: State, files: dict[str, bytes]) -> HostCopy:
+        """This rank's pieces of `state`, copied to host memory (replicas another rank publishes are not)."""
         t0 = time.perf_counter()
         pieces, tensors = local_pieces(state, self.rank, self._declared)
         # Replicas another rank publishes are not copied (the layout of the last anchor says which).
         keep, raw = self._keep, self._raw
         held = {n: t for n, t in tensors.items() if keep is None or pieces != raw or n in keep}
-        snap = _Snapshot(step, self._pool.copy(held), read_files(files), 0.0)
-        snap.seconds = time.perf_counter() - t0
-        self._last_step = step
-        self._queue.put((snap, pieces))
+        copied = self.pool.copy(held)
+        return HostCopy(step, copied, time.perf_counter() - t0, files, pieces)
 
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of host copies this rank holds between steps: its baseline and the buffers kept for the next copy."""
-        base = self._base.tensors.values() if self._base is not None else ()
-        return sum(t.numel() * t.element_size() for t in base) + self._pool.free_bytes
+    def holds(self, snap: HostCopy) -> bool:
+        return self._base is snap
+
+    async def drain(self) -> None:
+        """Nothing runs after a step: its anchor is a round of the step."""
+
+    async def close(self) -> None:
+        """Nothing to persist: a restarted job publishes an anchor first."""
+
+    def baseline(self) -> State:
+        return self._base.state if self._base is not None else {}
 
     @property
     def owned_bytes(self) -> int:
         """Bytes of the pieces this rank publishes (its shard)."""
         return sum(p.length * (p.tensor_bytes // max(p.numel, 1)) for p in self._pieces.values())
 
-    def flush(self) -> None:
-        """Block until every queued step is committed or failed on every rank."""
-        self._queue.join()
-        self._raise_fatal()
-
-    def close(self) -> None:
-        """Flush and stop this rank's publisher."""
-        if self._loop.closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._queue.put(_STOP)
-            self._worker.join()
-            with contextlib.suppress(Exception):
-                self._loop.run(self.store.close())
-            self._loop.stop()
-
-    def __enter__(self) -> ShardedPublisher:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def _raise_fatal(self) -> None:
-        if self._fatal is not None:
-            raise self._fatal
-
     # --- the rounds ------------------------------------------------------------------------------
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not _STOP:
-            snap, pieces = item
-            try:
-                if self._fatal is None:
-                    self._publish_step(snap, pieces)
-                if self._base is not snap:  # failed or not run: nothing holds it
-                    self._pool.release(snap.tensors)
-            except PulseSyncError as e:
-                self._fatal = e
-                log.error("step %d: rank %d stops publishing (%s: %s)", snap.step, self.rank, type(e).__name__, e)
-            except Exception as e:  # a collective that failed (a rank died or timed out) or a bug
-                self._fatal = PulseSyncError(f"step {snap.step}: rank {self.rank}: {type(e).__name__}: {e}")
-                log.exception("step %d: rank %d stops publishing", snap.step, self.rank)
-            finally:
-                self._queue.task_done()
-        self._queue.task_done()
+    async def publish(self, snap: HostCopy) -> None:
+        """One step on every rank; a failure of this rank or of a collective stops publishing on every rank."""
+        try:
+            await self._publish_step(snap, snap.pieces or {})
+        except PulseSyncError:
+            raise
+        except Exception as e:  # a collective that failed (a rank died or timed out) or a bug
+            raise PulseSyncError(f"step {snap.step}: rank {self.rank}: {type(e).__name__}: {e}") from e
 
-    def _publish_step(self, snap: _Snapshot, pieces: dict[str, Piece]) -> None:
-        import torch.distributed as dist
-
+    async def _publish_step(self, snap: HostCopy, pieces: dict[str, Piece]) -> None:
         # Every rank must run the same rounds: one whose pieces changed (resharded) makes it an anchor for all.
-        moved = [False] * self.world
-        dist.all_gather_object(moved, pieces != self._raw, group=self._group)
+        moved = await self._collective(self._coordinator.all_gather, pieces != self._raw)
         if self._anchor_next or self._base is None or any(moved):
-            self._round(snap, pieces, "anchor")
+            await self._round(snap, pieces, "anchor")
             return
-        if self._round(snap, pieces, "patch") and self._schedule.due:
-            self._round(snap, pieces, "anchor")
+        if await self._round(snap, pieces, "patch") and self._schedule.due:
+            await self._round(snap, pieces, "anchor")
 
-    def _round(self, snap: _Snapshot, raw: dict[str, Piece], kind: layout.Kind) -> bool:
+    async def _round(self, snap: HostCopy, raw: dict[str, Piece], kind: layout.Kind) -> bool:
         """One object set of a step on every rank; returns whether it was committed."""
-        import torch.distributed as dist
-
         report = StepReport(snap.step, kind, snapshot_s=snap.seconds)
         pieces = self._pieces
         if kind == "anchor":  # the layout is checked on every rank before anything is uploaded
-            per_rank: list[list[Piece]] = [[] for _ in range(self.world)]
-            dist.all_gather_object(per_rank, list(raw.values()), group=self._group)
+            per_rank: list[list[Piece]] = await self._collective(self._coordinator.all_gather, list(raw.values()))
             self._layout = validate(per_rank)
             self._dense_bytes = sum(ps[0].tensor_bytes for ps in self._layout.values())
             pieces = {p.name: p for ps in self._layout.values() for p in ps if p.rank == self.rank}
             self._raw, self._keep = raw, frozenset(pieces)
         t0, report.started = time.perf_counter(), time.time()
         try:
-            part = self._loop.run(self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
+            part = await (self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
         except PulseSyncError as e:
             part = _Part(self.rank, error=f"{type(e).__name__}: {e}")
         report.encode_s = time.perf_counter() - t0
         report.wire_bytes = sum(ref.size for ref in part.objects)
         report.changed_elements = part.changed
-        gathered: list[_Part | None] = [None] * self.world
-        dist.all_gather_object(gathered, part, group=self._group)
+        gathered: list[_Part | None] = await self._collective(self._coordinator.all_gather, part)
         t1 = time.perf_counter()
-        outcome = [self._commit_on_root(snap, kind, [p for p in gathered if p is not None]) if self.rank == 0 else None]
-        dist.broadcast_object_list(outcome, src=self._root_rank, group=self._group)
-        done = outcome[0]
+        mine = (
+            await self._commit_on_root(snap, kind, [p for p in gathered if p is not None]) if self.rank == 0 else None
+        )
+        done = await self._collective(self._coordinator.broadcast, mine)
         assert isinstance(done, _Outcome)
         report.commit_s = time.perf_counter() - t1
         report.ok = done.committed
         report.error = done.error or None
-        self.reports.append(report)
-        report.record()
+        self._record(report)
         if done.fatal is not None:
             raise done.fatal
         if not done.committed:
@@ -325,7 +248,7 @@ class ShardedPublisher:
             log.error("step %d: %s not committed on any rank (%s)", snap.step, kind, done.error)
             return False
         if self._base is not None and self._base is not snap:
-            self._pool.release(self._base.tensors)
+            self.pool.release(self._base.state)
         self._base, self._pieces, self._base_root, self._base_step = snap, pieces, done.root, snap.step
         # A part after an anchor is coded without a reference, as a patch is: a subscriber that starts
         # from the anchor holds none.
@@ -338,14 +261,14 @@ class ShardedPublisher:
             self._schedule.patch_committed(done.wire_bytes)
         return True
 
-    async def _patch_part(self, snap: _Snapshot) -> _Part:
+    async def _patch_part(self, snap: HostCopy) -> _Part:
         """Encode this rank's pieces against its baseline and upload the part."""
         assert self._base is not None
         self._encoded = None
         encoded = await asyncio.to_thread(
             encode_part,
-            self._base.tensors,
-            snap.tensors,
+            self._base.state,
+            snap.state,
             self._pieces,
             self.config.codec,
             part=self.rank,
@@ -359,19 +282,19 @@ class ShardedPublisher:
         ref = ObjectRef.for_bytes(key, encoded.data)
         return _Part(self.rank, "", [ref], list(encoded.lanes.items()), encoded.changed_elements, encoded.codings)
 
-    async def _anchor_part(self, snap: _Snapshot, pieces: dict[str, Piece]) -> _Part:
+    async def _anchor_part(self, snap: HostCopy, pieces: dict[str, Piece]) -> _Part:
         """Write this rank's pieces as its file of the anchor and upload it."""
         if not pieces:
             return _Part(self.rank)
-        if missing := sorted(set(pieces) - set(snap.tensors)):
+        if missing := sorted(set(pieces) - set(snap.state)):
             raise PulseSyncError(f"anchor {snap.step}: rank {self.rank} owns {missing[0]!r} but did not copy it")
-        sums = [(n, await asyncio.to_thread(_piece_sums, p, snap.tensors[n])) for n, p in sorted(pieces.items())]
+        sums = [(n, await asyncio.to_thread(_piece_sums, p, snap.state[n])) for n, p in sorted(pieces.items())]
         name = PIECES_FILE.format(rank=self.rank, world=self.world)
         with tempfile.TemporaryDirectory(prefix=f"pulsesync-pieces-{snap.step}-", dir=self.config.spool_dir) as spool:
             path = Path(spool) / name
             places = {n: (p.start, list(p.shape), p.runs, p.stride) for n, p in pieces.items()}
             try:
-                await asyncio.to_thread(write_pieces, path, {n: snap.tensors[n] for n in pieces}, places)
+                await asyncio.to_thread(write_pieces, path, {n: snap.state[n] for n in pieces}, places)
             except OSError as e:
                 raise PulseSyncError(f"anchor {snap.step}: cannot write {path} ({e})") from e
             done = await self.store.upload_file(layout.anchor_dir(snap.step, self.run_id) + name, path)
@@ -379,18 +302,18 @@ class ShardedPublisher:
         return _Part(self.rank, "", [ref], sums, sum(p.length for p in pieces.values()))
 
     # --- rank 0: the commit ----------------------------------------------------------------------
-    def _commit_on_root(self, snap: _Snapshot, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
+    async def _commit_on_root(self, snap: HostCopy, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
         failed = [f"rank {p.rank}: {p.error}" for p in parts if p.error]
         if failed:
             return _Outcome(False, "; ".join(failed))
         try:
-            return self._loop.run(self._commit(snap, kind, sorted(parts, key=lambda p: p.rank)))
+            return await self._commit(snap, kind, sorted(parts, key=lambda p: p.rank))
         except ConflictError as e:
             return _Outcome(False, str(e), fatal=e)
         except PulseSyncError as e:
             return _Outcome(False, f"{type(e).__name__}: {e}")
 
-    async def _commit(self, snap: _Snapshot, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
+    async def _commit(self, snap: HostCopy, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
         assert self._key is not None and self._guard is not None and self._chain is not None
         lanes = [lane for p in parts for lane in p.lanes]
         first = {name: pieces[0] for name, pieces in self._layout.items()}

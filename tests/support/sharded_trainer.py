@@ -156,8 +156,8 @@ def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: 
         publisher.flush()
         # No rank holds another rank's shard: its host copies are its own pieces, twice at most
         # (the baseline, and the buffers recycled for the next copy).
-        owned = publisher.owned_bytes
-        assert 0 < publisher.host_bytes <= 2 * owned or owned == 0, (layout, rank, publisher.host_bytes, owned)
+        owned, held = publisher.rounds.owned_bytes, publisher.rounds.host_bytes
+        assert 0 < held <= 2 * owned or owned == 0, (layout, rank, held, owned)
         assert owned < sum(t.numel() * t.element_size() for t in full.values()) or world == 1
     assert publisher is not None
     publisher.close()
