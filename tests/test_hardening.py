@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from pulsesync.subscriber import Subscriber
 from tests.support.fault_proxy import FaultProxy
 from tests.support.helpers import anchor_marker
 from tests.support.servers import BUCKET
-from tests.support.subscribing import assert_serving, publish, subscriber
+from tests.support.subscribing import assert_serving, publish, subscriber, wait_for
 
 
 @pytest.fixture
@@ -52,15 +52,6 @@ async def daemon(store: Store, key: Ed25519PrivateKey) -> AsyncIterator[Subscrib
     assert not task.done(), "the daemon exited"
     stop.set()
     await task
-
-
-async def wait_for(condition: Callable[[], bool], what: str, seconds: float = 30, sub: Any = None) -> None:
-    """Poll until condition holds; fail naming `what` (and the daemon's last error) after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline or (sub is not None and sub.task.done()):
-            raise AssertionError(f"timed out waiting for {what}; status {sub.status if sub else None}")
-        await asyncio.sleep(0.02)
 
 
 # --- item 2: stray keys under ready/ ------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -35,3 +38,14 @@ def assert_serving(sub: Subscriber, step: int) -> None:
     assert sub.step == step
     assert sub.state is not None
     assert_states_equal(sub.state, trainer_states(STATES)[step])
+
+
+async def wait_for(condition: Callable[[], bool], what: str, seconds: float = 30, sub: Any = None) -> None:
+    """Poll until condition holds; fail naming `what` (and the daemon's status) after `seconds`, or once the
+    daemon task set as `sub.task` ended."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        task = getattr(sub, "task", None)
+        if time.monotonic() > deadline or (task is not None and task.done()):
+            raise AssertionError(f"timed out waiting for {what}; status {sub.status if sub else None}")
+        await asyncio.sleep(0.02)
