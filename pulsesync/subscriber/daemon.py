@@ -132,7 +132,7 @@ async def run(follower: Follower, stop: asyncio.Event) -> None:
                 continue
             if result is None:
                 break
-            follower.status.consecutive_failures = 0
+            follower.status.consecutive_failures, follower.status.last_error = 0, None
             metrics.HEALTHY.set(1)
             if result.path != SyncPath.UP_TO_DATE:
                 log.info("%s", result.to_json())

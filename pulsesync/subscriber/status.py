@@ -14,7 +14,7 @@ class SubscriberStatus:
     step: int = -1
     digest: str | None = None
     consecutive_failures: int = 0
-    last_error: str | None = None
+    last_error: str | None = None  # of the failures in a row now (None once a sync succeeds)
     paths: dict[SyncPath, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
     stream_id: str | None = None

@@ -305,7 +305,7 @@ class Subscriber:
         self.status.step, self.status.digest = staged.step, staged.digest.root
         # A verified state is served: the sync succeeded as far as health goes, now and not after
         # the awaits that follow (a /healthz read in between said unhealthy while serving it).
-        self.status.consecutive_failures = 0
+        self.status.consecutive_failures, self.status.last_error = 0, None
         metrics.SUBSCRIBER_STEP.set(staged.step)
         log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
         if (found := self.chain.verified_marker(staged.step)) is not None:
