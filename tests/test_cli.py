@@ -75,3 +75,30 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     assert run.returncode == 3
     assert run.stderr.strip().startswith("pulsesync: error: ConfigError:")
     assert run.stderr.count("\n") == 1
+
+
+def test_subscribe_once_with_an_untrusted_key_fails_at_once_without_retrying(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A marker no trusted key signed does not verify on a second try: one attempt, one line, exit 12."""
+    import asyncio
+
+    from pulsesync.publisher import AsyncPublisher, PublisherConfig
+    from pulsesync.store import FileStore
+    from tests.support.helpers import trainer_states
+
+    assert main(["keygen", "--out", str(tmp_path / "a")]) == 0
+    assert main(["keygen", "--out", str(tmp_path / "b")]) == 0
+    config = PublisherConfig(signing_key=tmp_path / "a" / "publisher.key")
+
+    async def publish() -> None:
+        async with AsyncPublisher(config, store=FileStore(tmp_path / "store")) as pub:
+            await pub.publish(0, trainer_states(2)[0])
+
+    asyncio.run(publish())
+    capsys.readouterr()
+    store, other = f"file://{tmp_path / 'store'}", str(tmp_path / "b" / "publisher.pub")
+    assert main(["subscribe", "--once", "--store", store, "--trusted-key", other]) == 12
+    err = capsys.readouterr().err
+    assert err.startswith("pulsesync: error: UnknownKeyError:") and err.count("\n") == 1
+    assert not [r for r in caplog.records if "sync failed" in r.getMessage()]  # not retried
