@@ -52,7 +52,9 @@ class SubscriberConfig(Config):
     retry_initial_seconds: float = Field(1.0, gt=0, description="first wait after a failed sync; doubles each time")
     retry_max_seconds: float = Field(60.0, gt=0, description="longest wait between failed syncs")
     unhealthy_after: int = Field(5, ge=1, description="consecutive failed syncs before /healthz reports unhealthy")
-    once_attempts: int = Field(3, ge=1, description="syncs --once tries before giving up")
+    once_attempts: int = Field(
+        3, ge=1, description="syncs --once tries before giving up (one: a config error, an unknown key, access denied)"
+    )
     stream_id: str | None = Field(
         None,
         pattern=r"^[0-9a-z]{1,32}$",

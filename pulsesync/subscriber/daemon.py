@@ -18,7 +18,7 @@ from tenacity import (
 )
 
 from pulsesync import metrics
-from pulsesync.errors import NothingPublishedError, PulseSyncError
+from pulsesync.errors import AccessDeniedError, ConfigError, NothingPublishedError, PulseSyncError, UnknownKeyError
 from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.subscriber.paths import SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
@@ -51,16 +51,23 @@ class Follower(Protocol):
     async def report(self, path: SyncPath | None) -> None: ...
 
 
-def _worth_retrying(error: BaseException) -> bool:
-    """Every pulsesync error but an empty prefix, which a daemon waits out at its poll interval."""
-    return isinstance(error, PulseSyncError) and not isinstance(error, NothingPublishedError)
+# What another try finds the same: a bounded retry (`--once`) stops at once; the daemon waits them out
+# (a key rotated into the trusted set, credentials renewed).
+_PERMANENT = (ConfigError, UnknownKeyError, AccessDeniedError)
+
+
+def _worth_retrying(error: BaseException, permanent: tuple[type[BaseException], ...]) -> bool:
+    """Every pulsesync error but an empty prefix (a daemon waits it out at its poll interval) and `permanent`."""
+    return isinstance(error, PulseSyncError) and not isinstance(error, (NothingPublishedError, *permanent))
 
 
 def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | None = None) -> AsyncRetrying:
     """The retry policy of failed syncs: exponential backoff, retry_initial_seconds doubling to retry_max_seconds.
 
-    Each failure is recorded (status, metrics, log); a set `stop` cuts a backoff wait short.
+    Each failure is recorded (status, metrics, log); a set `stop` cuts a backoff wait short. With
+    a bound on `attempts`, an error another try would meet again is raised at once.
     """
+    permanent = _PERMANENT if attempts is not None else ()
 
     async def sleep(seconds: float) -> None:
         if stop is None:
@@ -81,7 +88,7 @@ def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | Non
     return AsyncRetrying(
         stop=stop_never if attempts is None else stop_after_attempt(attempts),
         wait=wait_exponential(multiplier=config.retry_initial_seconds, max=config.retry_max_seconds),
-        retry=retry_if_exception(_worth_retrying),
+        retry=retry_if_exception(lambda e: _worth_retrying(e, permanent)),
         after=failed,
         sleep=sleep,
         reraise=True,
