@@ -102,3 +102,34 @@ def test_subscribe_once_with_an_untrusted_key_fails_at_once_without_retrying(
     err = capsys.readouterr().err
     assert err.startswith("pulsesync: error: UnknownKeyError:") and err.count("\n") == 1
     assert not [r for r in caplog.records if "sync failed" in r.getMessage()]  # not retried
+
+
+def test_inspect_with_a_key_that_verifies_nothing_prints_the_chain_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rows marked BAD are a verification failure: the table is printed, then one error line, exit 7."""
+    import asyncio
+
+    from pulsesync.publisher import AsyncPublisher, PublisherConfig
+    from pulsesync.store import FileStore
+    from tests.support.helpers import trainer_states
+
+    assert main(["keygen", "--out", str(tmp_path / "a")]) == 0
+    assert main(["keygen", "--out", str(tmp_path / "b")]) == 0
+
+    async def publish() -> None:
+        config = PublisherConfig(signing_key=tmp_path / "a" / "publisher.key")
+        async with AsyncPublisher(config, store=FileStore(tmp_path / "store")) as pub:
+            for step, state in enumerate(trainer_states(3)):
+                await pub.publish(step, state)
+
+    asyncio.run(publish())
+    capsys.readouterr()
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["inspect", "--store", store, "--trusted-key", str(tmp_path / "a" / "publisher.pub")]) == 0
+    assert " ok" in capsys.readouterr().out
+    assert main(["inspect", "--store", store, "--trusted-key", str(tmp_path / "b" / "publisher.pub")]) == 7
+    out, err = capsys.readouterr()
+    assert out.count(" BAD") == 3
+    assert err.startswith("pulsesync: error: IntegrityError:") and err.count("\n") == 1
+    assert "3 of 3 ready markers" in err and "UnknownKeyError" in err
