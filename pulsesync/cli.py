@@ -199,6 +199,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import datetime as dt
     import json
 
+    from pulsesync.errors import IntegrityError
     from pulsesync.inspect_chain import (
         chain_rows,
         fleet_as_json,
@@ -233,6 +234,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(json.dumps({"steps": rows_as_json(rows), "fleet": fleet_as_json(fleet, now, ttl)}))
         else:
             print(format_table(rows) + "\n" + format_fleet(fleet, now, ttl))
+        if bad := [r for r in rows if r.verified is False]:  # shown above, and a failure of the command
+            raise IntegrityError(
+                f"{url}: {len(bad)} of {len(rows)} ready markers do not verify against the trusted keys "
+                f"(step {bad[0].step}: {bad[0].error})"
+            )
 
     asyncio.run(run())
     return 0

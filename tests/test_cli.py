@@ -118,7 +118,7 @@ def test_inspect_with_a_key_that_verifies_nothing_prints_the_chain_and_fails(
     assert main(["keygen", "--out", str(tmp_path / "b")]) == 0
 
     async def publish() -> None:
-        config = PublisherConfig(signing_key=tmp_path / "a" / "publisher.key")
+        config = PublisherConfig(signing_key=tmp_path / "a" / "publisher.key", on_backpressure="block")
         async with AsyncPublisher(config, store=FileStore(tmp_path / "store")) as pub:
             for step, state in enumerate(trainer_states(3)):
                 await pub.publish(step, state)
