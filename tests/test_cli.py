@@ -133,3 +133,24 @@ def test_inspect_with_a_key_that_verifies_nothing_prints_the_chain_and_fails(
     assert out.count(" BAD") == 3
     assert err.startswith("pulsesync: error: IntegrityError:") and err.count("\n") == 1
     assert "3 of 3 ready markers" in err and "UnknownKeyError" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["--checkpoint", "{missing}", "--step", "3"], 5, "NotFoundError: checkpoint {missing}: no such file"),
+        (["--watch", "{missing}", "--once"], 3, "ConfigError: --watch {missing}: no such directory"),
+    ],
+)
+def test_publish_names_a_missing_checkpoint_or_watch_dir_before_touching_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], code: int, says: str
+) -> None:
+    """Checked first: the store here refuses connections, so reaching it would fail otherwise (StoreError)."""
+    assert main(["keygen", "--out", str(tmp_path)]) == 0
+    missing = str(tmp_path / "nope")
+    store = ["--store", "s3://bucket/run", "--endpoint-url", "http://127.0.0.1:9"]
+    key = ["--signing-key", str(tmp_path / "publisher.key")]
+    capsys.readouterr()
+    assert main(["publish", *store, *key, *[a.format(missing=missing) for a in args]]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("pulsesync: error: " + says.format(missing=missing)) and err.count("\n") == 1
