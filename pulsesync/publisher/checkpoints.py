@@ -103,14 +103,19 @@ def incomplete_reason(path: Path, watch: WatchConfig, now: float | None = None) 
     return None
 
 
-def load_checkpoint(path: Path, anchor_files: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """The weights of a checkpoint and its non-weight files that anchors carry (by glob pattern)."""
+def check_checkpoint(path: Path) -> list[Path]:
+    """A checkpoint's weight files; NotFoundError or IntegrityError when there is no checkpoint at `path`."""
     if not path.exists():
         raise NotFoundError(f"checkpoint {path}: no such file or directory")
-    state: dict[str, torch.Tensor] = {}
-    weights = weight_files(path)
-    if not weights:
+    if not (weights := weight_files(path)):
         raise IntegrityError(f"checkpoint {path}: no *.safetensors files")
+    return weights
+
+
+def load_checkpoint(path: Path, anchor_files: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """The weights of a checkpoint and its non-weight files that anchors carry (by glob pattern)."""
+    state: dict[str, torch.Tensor] = {}
+    weights = check_checkpoint(path)
     for w in weights:
         try:
             shard = load_file(w)

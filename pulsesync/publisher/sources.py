@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from pulsesync.errors import PulseSyncError
-from pulsesync.publisher.checkpoints import find_checkpoints, incomplete_reason, load_checkpoint
+from pulsesync.errors import ConfigError, PulseSyncError
+from pulsesync.publisher.checkpoints import check_checkpoint, find_checkpoints, incomplete_reason, load_checkpoint
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.pipeline import AsyncPublisher
 from pulsesync.publisher.report import StepReport
@@ -25,6 +25,7 @@ log = logging.getLogger("pulsesync.publisher")
 async def publish_checkpoint(config: PublisherConfig, path: Path, step: int) -> list[StepReport]:
     """Publish one checkpoint as `step` against the newest committed step (resuming), then exit."""
     config = config.model_copy(update={"resume": True})
+    check_checkpoint(path)  # before the baseline is rebuilt from the store
     async with AsyncPublisher(config) as publisher:
         state, files = await asyncio.to_thread(load_checkpoint, path, config.anchor_files)
         await publisher.publish(step, state, files)
@@ -41,6 +42,8 @@ async def watch(
     """
     stop = stop or asyncio.Event()
     if once:  # a backfill publishes every checkpoint: wait for uploads instead of skipping
+        if not root.is_dir():
+            raise ConfigError(f"--watch {root}: no such directory")
         config = config.model_copy(update={"on_backpressure": "block"})
     async with AsyncPublisher(config) as publisher:
         published: list[int] = []
