@@ -154,3 +154,29 @@ def test_publish_names_a_missing_checkpoint_or_watch_dir_before_touching_the_sto
     assert main(["publish", *store, *key, *[a.format(missing=missing) for a in args]]) == code
     err = capsys.readouterr().err
     assert err.startswith("pulsesync: error: " + says.format(missing=missing)) and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["subscribe", "publish"])
+def test_a_missing_bucket_is_named_with_its_endpoint_in_one_line(
+    command: str, moto_endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not 'no such object' three times and unclosed aiohttp sessions: the bucket, where, and what to do."""
+    assert main(["keygen", "--out", str(tmp_path)]) == 0
+    store = ["--store", "s3://no-such-bucket/run", "--endpoint-url", moto_endpoint]
+    args = {
+        "subscribe": ["subscribe", *store, "--once", "--trusted-key", str(tmp_path / "publisher.pub")],
+        "publish": [
+            "publish",
+            *store,
+            "--synthetic",
+            "--max-steps",
+            "1",
+            "--signing-key",
+            str(tmp_path / "publisher.key"),
+        ],
+    }[command]
+    capsys.readouterr()
+    code = subprocess.run([sys.executable, "-m", "pulsesync", *args], capture_output=True, text=True, timeout=120)
+    assert code.returncode == 23, code.stderr
+    expected = f"pulsesync: error: BucketNotFoundError: bucket 'no-such-bucket' does not exist at {moto_endpoint}"
+    assert code.stderr.startswith(expected) and code.stderr.count("\n") == 1, code.stderr
