@@ -45,6 +45,12 @@ class NothingPublishedError(NotFoundError):
     exit_code = 22
 
 
+class BucketNotFoundError(NotFoundError):
+    """The store's bucket does not exist: create it first (pulsesync never creates buckets)."""
+
+    exit_code = 23
+
+
 class ConflictError(StoreError):
     """A key that must not exist does (put-if-absent lost, step already published)."""
 
@@ -142,6 +148,7 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     AccessDeniedError,
     NotFoundError,
     NothingPublishedError,
+    BucketNotFoundError,
     ConflictError,
     IntegrityError,
     CorruptPatchError,

@@ -133,7 +133,11 @@ class AsyncPublisher:
         await self.rounds.close()
 
     async def __aenter__(self) -> AsyncPublisher:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.store.close()  # its HTTP sessions too: nothing is left open on a failed start
+            raise
         return self
 
     async def __aexit__(
@@ -257,7 +261,7 @@ class Publisher:
             self._async = AsyncPublisher(
                 config, store=store, signing_key=signing_key, coordinator=coordinator, declared=declared
             )
-            self._loop.run(self._async.start())
+            self._loop.run(self._async.__aenter__())
         except BaseException:
             self._loop.stop()
             raise

@@ -19,7 +19,14 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.wait import wait_exponential_jitter
 
 from pulsesync.deadlines import within
-from pulsesync.errors import AccessDeniedError, ConflictError, NotFoundError, PulseSyncError, StoreError
+from pulsesync.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConflictError,
+    NotFoundError,
+    PulseSyncError,
+    StoreError,
+)
 from pulsesync.metrics import STORE_RETRIES, STORE_UNEXPECTED_ERRORS
 
 log = logging.getLogger("pulsesync.store")
@@ -95,6 +102,8 @@ def translate_error(e: BaseException, op: str, target: str) -> PulseSyncError:
     if isinstance(e, botocore.exceptions.ClientError):
         code, status = _code(e)
         what = f"{op} {target}: {code or status}"
+        if code == "NoSuchBucket":
+            return BucketNotFoundError(f"{op} {target}: the bucket does not exist; create it first")
         if code in _NOT_FOUND or status == 404:
             return NotFoundError(f"{what}: no such object")
         if code in _CONFLICT or status == 412:

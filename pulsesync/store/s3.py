@@ -20,7 +20,7 @@ import aiobotocore.session
 import botocore.exceptions
 from botocore.config import Config as BotoConfig
 
-from pulsesync.errors import ConflictError, IntegrityError, StoreError
+from pulsesync.errors import BucketNotFoundError, ConflictError, IntegrityError, StoreError
 from pulsesync.store import base
 from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, oversized
 from pulsesync.store.progress import ProgressCallback, ProgressTracker
@@ -112,7 +112,14 @@ class S3Store(Store):
         async def once() -> T:
             return await fn(await self._s3())
 
-        return await call(once, op, f"s3://{self.bucket}/{self.prefix}{key}", self.retry)
+        try:
+            return await call(once, op, f"s3://{self.bucket}/{self.prefix}{key}", self.retry)
+        except BucketNotFoundError as e:  # say where, and what to do
+            where = self.endpoint_url or "AWS S3"
+            raise BucketNotFoundError(
+                f"bucket {self.bucket!r} does not exist at {where} ({op} {key!r}); create it first "
+                f"(aws s3 mb s3://{self.bucket}, mc mb, or the R2 dashboard): pulsesync never creates buckets"
+            ) from e
 
     # --- reads ---------------------------------------------------------------------------------
     async def _read_chunks(self, s3: Any, key: str, max_size: int | None = None, **kwargs: Any) -> list[bytes]:

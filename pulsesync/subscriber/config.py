@@ -53,7 +53,7 @@ class SubscriberConfig(Config):
     retry_max_seconds: float = Field(60.0, gt=0, description="longest wait between failed syncs")
     unhealthy_after: int = Field(5, ge=1, description="consecutive failed syncs before /healthz reports unhealthy")
     once_attempts: int = Field(
-        3, ge=1, description="syncs --once tries before giving up (one: a config error, an unknown key, access denied)"
+        3, ge=1, description="syncs --once tries before giving up (one for errors a retry meets again)"
     )
     stream_id: str | None = Field(
         None,

@@ -18,7 +18,14 @@ from tenacity import (
 )
 
 from pulsesync import metrics
-from pulsesync.errors import AccessDeniedError, ConfigError, NothingPublishedError, PulseSyncError, UnknownKeyError
+from pulsesync.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    ConfigError,
+    NothingPublishedError,
+    PulseSyncError,
+    UnknownKeyError,
+)
 from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.subscriber.paths import SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
@@ -53,7 +60,7 @@ class Follower(Protocol):
 
 # What another try finds the same: a bounded retry (`--once`) stops at once; the daemon waits them out
 # (a key rotated into the trusted set, credentials renewed).
-_PERMANENT = (ConfigError, UnknownKeyError, AccessDeniedError)
+_PERMANENT = (ConfigError, UnknownKeyError, AccessDeniedError, BucketNotFoundError)
 
 
 def _worth_retrying(error: BaseException, permanent: tuple[type[BaseException], ...]) -> bool:
