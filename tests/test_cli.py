@@ -180,3 +180,26 @@ def test_a_missing_bucket_is_named_with_its_endpoint_in_one_line(
     assert code.returncode == 23, code.stderr
     expected = f"pulsesync: error: BucketNotFoundError: bucket 'no-such-bucket' does not exist at {moto_endpoint}"
     assert code.stderr.startswith(expected) and code.stderr.count("\n") == 1, code.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "hint"),
+    [
+        ("gs://bucket/run", "s3://bucket/prefix with --endpoint-url"),
+        ("http://127.0.0.1:9000/bucket", "--store s3://bucket/prefix --endpoint-url http://127.0.0.1:9000"),
+    ],
+)
+def test_a_store_url_of_another_kind_says_what_to_pass(url: str, hint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--store", url]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("pulsesync: error: ConfigError:") and err.count("\n") == 1 and hint in err, err
+
+
+def test_a_config_typo_names_the_key_meant_and_every_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "publisher.yaml"
+    bad.write_text("anchor_intreval: 10\ncodec:\n  zstd_level: 99\n")
+    assert main(["publish", "--config", str(bad), "--synthetic"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "anchor_intreval: not a setting (did you mean anchor_interval?)" in err
+    assert "codec.zstd_level:" in err and "more)" not in err
