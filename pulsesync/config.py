@@ -8,6 +8,7 @@ start with a ConfigError naming the key.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,7 +67,19 @@ def load_config(
     try:
         return model.model_validate(tree)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ConfigError(f"{source}: {key}: {err['msg']}{more}") from None
+        raise ConfigError(f"{source}: " + "; ".join(_describe(model, err) for err in e.errors())) from None
+
+
+def _describe(model: type[BaseModel], err: Any) -> str:
+    """One validation error as `key: what is wrong`; a key that is no setting names the closest one."""
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc) or "(top level)"
+    if err["type"] != "extra_forbidden":
+        return f"{key}: {err['msg']}"
+    fields: dict[str, Any] = model.model_fields
+    for part in loc[:-1]:  # the settings of the section the key is in
+        inner = fields.get(part)
+        annotation = getattr(inner, "annotation", None)
+        fields = annotation.model_fields if isinstance(annotation, type) and issubclass(annotation, BaseModel) else {}
+    close = difflib.get_close_matches(loc[-1], list(fields), n=1)
+    return f"{key}: not a setting" + (f" (did you mean {'.'.join([*loc[:-1], close[0]])}?)" if close else "")

@@ -31,8 +31,18 @@ class StoreConfig(BaseModel):
         if v is None:
             return v
         parsed = urlparse(v)
+        if parsed.scheme in ("http", "https"):  # an endpoint, not a store
+            bucket, _, prefix = parsed.path.strip("/").partition("/")
+            endpoint = f"{parsed.scheme}://{parsed.netloc}"
+            raise ValueError(
+                f"store url {v!r} is an endpoint; pass --store s3://{bucket or 'bucket'}/{prefix or 'prefix'} "
+                f"--endpoint-url {endpoint} (store.url and store.endpoint_url in YAML)"
+            )
         if parsed.scheme not in STORE_SCHEMES:
-            raise ValueError(f"store url {v!r} must start with s3:// or file://")
+            raise ValueError(
+                f"store url {v!r} must start with s3:// or file://: any S3-compatible service (R2, MinIO, GCS's "
+                "XML API) is s3://bucket/prefix with --endpoint-url, a local or shared filesystem file:///path"
+            )
         if parsed.scheme == "s3" and not parsed.netloc:
             raise ValueError(f"store url {v!r} names no bucket (s3://bucket/prefix)")
         if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
