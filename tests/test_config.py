@@ -31,7 +31,7 @@ def test_defaults_file_and_flag_override(tmp_path: Path) -> None:
         ("store:\n  urll: s3://b/p\n", r"store.urll: not a setting \(did you mean store.url\?\)"),
         ("codec:\n  zstd_level: 99\n", "codec.zstd_level"),
         ("codec:\n  value_coding: fancy\n", "codec.value_coding"),
-        ("store:\n  url: http://example.com/x\n", "store.url: .*is an endpoint; pass --store s3://x/prefix --endpoint-url"),
+        ("store:\n  url: http://example.com/x\n", "store.url: .*is an endpoint; pass --store s3://x/prefix"),
         ("store:\n  url: gs://b/x\n", "store.url: .*must start with s3:// or file://"),
         ("store:\n  url: s3:///nobucket\n", "names no bucket"),
         ("- a list\n", "top level must be a mapping"),
