@@ -230,3 +230,26 @@ def test_cli_publish_synthetic_trainer_steps(tmp_path: Path, capsys: pytest.Capt
     ready = asyncio.run(ready_kinds(reader))
     assert ready == {0: {"anchor"}, 1: {"patch"}, 2: {"patch", "anchor"}, 3: {"anchor"}}
     assert asyncio.run(reconstruct(reader)).step == 3
+
+
+def test_sigterm_during_publish_checkpoint_finishes_the_step_and_exits_0(tmp_path: Path) -> None:
+    """docs/publisher.md: SIGTERM/SIGINT finish the work under way, flush and exit 0 (not 143 mid-upload)."""
+    import signal
+    import time
+
+    signing.write_keypair(tmp_path / "keys")
+    state = {f"layer{i}.weight": torch.randn(1024, 4096).bfloat16() for i in range(24)}  # 192 MiB: seconds of work
+    write_checkpoint(tmp_path / "ckpt", state, {"config.json": '{"model_type": "t"}'})
+    store = tmp_path / "store"
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--step", "0", "--store", f"file://{store}"]
+    args += ["--signing-key", str(tmp_path / "keys" / "publisher.key")]
+    proc = subprocess.Popen([sys.executable, "-m", "pulsesync", "publish", *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (store / "anchors").exists():  # the anchor is being written to the store: mid-step
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    trusted = signing.trusted_keys([tmp_path / "keys" / "publisher.pub"])
+    assert asyncio.run(ready_kinds(ChainClient(FileStore(store), trusted))) == {0: {"anchor"}}, err
