@@ -33,12 +33,17 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def _stop_on_signals() -> Any:
-    """An asyncio.Event that SIGTERM and SIGINT set: daemons finish their current work and exit 0."""
+    """An asyncio.Event that SIGTERM and SIGINT set: commands finish their current work and exit 0."""
     import asyncio
 
     stop = asyncio.Event()
+
+    def stopping(name: str) -> None:
+        log.warning("%s: finishing the work under way, then exiting", name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stopping, sig.name)
     return stop
 
 
@@ -106,7 +111,12 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     if args.watch is None and args.once:
         raise ConfigError("--once applies to --watch DIR")
     if args.checkpoint is not None:
-        reports = asyncio.run(publish_checkpoint(config, args.checkpoint, args.step))
+
+        async def one_checkpoint() -> list[StepReport]:
+            _stop_on_signals()  # a signal lets the step finish: committed, then exit 0
+            return await publish_checkpoint(config, args.checkpoint, args.step)
+
+        reports = asyncio.run(one_checkpoint())
     else:
 
         async def until_signal() -> list[StepReport]:
