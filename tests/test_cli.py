@@ -203,3 +203,14 @@ def test_a_config_typo_names_the_key_meant_and_every_error(tmp_path: Path, capsy
     assert err.count("\n") == 1, err
     assert "anchor_intreval: not a setting (did you mean anchor_interval?)" in err
     assert "codec.zstd_level:" in err and "more)" not in err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["publish", "--help"], ["subscribe", "--bogus-flag"]])
+def test_help_and_usage_errors_import_no_heavy_module(argv: list[str]) -> None:
+    """`--help` and a usage error answer at once: torch, the S3 client and numba load only for real work."""
+    code = (
+        "import sys\nfrom pulsesync.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print([m for m in ('torch', 'aiobotocore', 'numba') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
