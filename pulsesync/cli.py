@@ -8,12 +8,14 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pulsesync import __version__
-from pulsesync.config import Config, load_config
 from pulsesync.errors import PulseSyncError
-from pulsesync.store.s3 import RedactCredentials
+
+# What a command needs is imported where it runs: `--help` and usage errors load no torch, S3 client or numba.
+if TYPE_CHECKING:
+    from pulsesync.config import Config
 
 log = logging.getLogger("pulsesync")
 
@@ -27,9 +29,20 @@ def _common_flags() -> argparse.ArgumentParser:
     return common
 
 
+def load_config(model: Any, path: Path | None, overrides: dict[str, Any]) -> Any:
+    """`pulsesync.config.load_config`, imported when a command runs."""
+    from pulsesync.config import load_config as load
+
+    return load(model, path, overrides)
+
+
 def _config(args: argparse.Namespace) -> Config:
     """The shared config from --config and the common flags."""
-    return load_config(Config, args.config, {"store.url": args.store, "store.endpoint_url": args.endpoint_url})
+    from pulsesync.config import Config
+
+    flags = {"store.url": args.store, "store.endpoint_url": args.endpoint_url}
+    config: Config = load_config(Config, args.config, flags)
+    return config
 
 
 def _stop_on_signals() -> Any:
@@ -438,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pulsesync.store.s3 import RedactCredentials
+
     for handler in logging.getLogger().handlers:  # -vv turns on botocore's debug log, which prints headers
         handler.addFilter(RedactCredentials())
     logging.getLogger("pulsesync.transfer").setLevel(min(level, logging.INFO))  # progress lines off a terminal
