@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,21 @@ def test_help_and_usage_errors_import_no_heavy_module(argv: list[str]) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_log_flags_go_before_or_after_the_command_and_json_logs_are_one_object_a_line(tmp_path: Path) -> None:
+    """-v/-q/--log-format on either side of the command; a publish prints each step once, on stdout."""
+    assert main(["-q", "keygen", "--out", str(tmp_path / "k")]) == 0
+    args = ["publish", "--synthetic", "--max-steps", "1", "--store", f"file://{tmp_path / 's'}"]
+    args += ["--signing-key", str(tmp_path / "k" / "publisher.key")]
+    done = subprocess.run(
+        [sys.executable, "-m", "pulsesync", "-v", "--log-format", "json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[:3] for line in done.stdout.splitlines()] == [["published", "step=0", "kind=anchor"]]
+    logged = [json.loads(line) for line in done.stderr.splitlines()]  # every stderr line is a JSON object
+    assert logged and all({"time", "level", "logger", "message"} <= set(entry) for entry in logged)
+    assert not [e for e in logged if e["message"].startswith("published step=")]  # not twice
