@@ -25,8 +25,60 @@ def _common_flags() -> argparse.ArgumentParser:
     common.add_argument("--config", type=Path, metavar="FILE", help="YAML config file (flags override it)")
     common.add_argument("--store", metavar="URL", help="s3://bucket/prefix or file:///path")
     common.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint (R2, MinIO, any S3-compatible server)")
-    common.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    _log_flags(common, "")
     return common
+
+
+def _log_flags(parser: argparse.ArgumentParser, dest: str) -> None:
+    """-v/-q/--log-format, before the command (dest "top_") or after it (dest "")."""
+    parser.add_argument(
+        "-v", "--verbose", dest=f"{dest}verbose", action="count", default=0, help="more logging (-vv: debug)"
+    )
+    parser.add_argument("-q", "--quiet", dest=f"{dest}quiet", action="store_true", help="errors only")
+    parser.add_argument(
+        "--log-format", dest=f"{dest}log_format", choices=["text", "json"], help="stderr log lines (default text)"
+    )
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message (and the exception, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    """The root log on stderr at the level -v/-q ask for, text or JSON, credentials redacted."""
+    from pulsesync.store.s3 import RedactCredentials
+
+    verbose, quiet = args.verbose + args.top_verbose, args.quiet or args.top_quiet
+    level = logging.ERROR if quiet else [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    handler = logging.StreamHandler()
+    if (args.log_format or args.top_log_format) == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RedactCredentials())  # -vv turns on botocore's debug log, which prints headers
+    logging.basicConfig(level=level, handlers=[handler])  # none if the root logs already (an embedding program)
+    logging.getLogger("pulsesync.transfer").setLevel(min(level, logging.INFO))  # progress lines off a terminal
+    args.verbose, args.quiet = verbose, quiet
+
+
+class _StepLines(logging.Handler):
+    """Each published object set's line on stdout as it happens (not once more on stderr)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(record.getMessage(), flush=True)
 
 
 def load_config(model: Any, path: Path | None, overrides: dict[str, Any]) -> Any:
@@ -99,12 +151,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from pulsesync.errors import ConfigError
-    from pulsesync.publisher import StepReport
     from pulsesync.publisher.config import PublisherConfig
-    from pulsesync.publisher.sources import publish_checkpoint, publish_synthetic, watch
 
     config = load_config(
         PublisherConfig,
@@ -118,7 +165,25 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             "take_over_prefix": args.take_over_prefix or None,
         },
     )
-    logging.getLogger("pulsesync.publisher").setLevel(logging.INFO)  # one line per published step
+    steps = logging.getLogger("pulsesync.publisher.steps")
+    lines = _StepLines()
+    steps.addHandler(lines)
+    steps.setLevel(logging.INFO)
+    steps.propagate = False
+    try:
+        return _publish(args, config)
+    finally:
+        steps.removeHandler(lines)
+        steps.propagate = True
+
+
+def _publish(args: argparse.Namespace, config: Any) -> int:
+    import asyncio
+
+    from pulsesync.errors import ConfigError
+    from pulsesync.publisher import StepReport
+    from pulsesync.publisher.sources import publish_checkpoint, publish_synthetic, watch
+
     if args.checkpoint is not None and args.step is None:
         raise ConfigError("--checkpoint needs --step N: the step number to publish it as")
     if args.watch is None and args.once:
@@ -129,7 +194,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             _stop_on_signals()  # a signal lets the step finish: committed, then exit 0
             return await publish_checkpoint(config, args.checkpoint, args.step)
 
-        reports = asyncio.run(one_checkpoint())
+        asyncio.run(one_checkpoint())
     else:
 
         async def until_signal() -> list[StepReport]:
@@ -138,9 +203,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
                 return await publish_synthetic(config, args.interval, args.max_steps, stop)
             return await watch(config, args.watch, once=args.once, stop=stop)
 
-        reports = asyncio.run(until_signal())
-    for report in reports:
-        print(report.log_line())
+        asyncio.run(until_signal())
     return 0
 
 
@@ -331,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lossless sparse weight sync from RL trainers to inference servers through an object store.",
     )
     parser.add_argument("--version", action="version", version=f"pulsesync {__version__}")
+    _log_flags(parser, "top_")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     keygen = commands.add_parser("keygen", parents=[common], help="generate a publisher signing keypair")
@@ -449,13 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pulsesync` console script."""
     args = build_parser().parse_args(argv)
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pulsesync.store.s3 import RedactCredentials
-
-    for handler in logging.getLogger().handlers:  # -vv turns on botocore's debug log, which prints headers
-        handler.addFilter(RedactCredentials())
-    logging.getLogger("pulsesync.transfer").setLevel(min(level, logging.INFO))  # progress lines off a terminal
+    _setup_logging(args)
     try:
         result: Any = args.run(args)
         return int(result)

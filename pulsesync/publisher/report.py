@@ -10,7 +10,7 @@ from pulsesync import metrics
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import Sizes
 
-log = logging.getLogger("pulsesync.publisher")
+log = logging.getLogger("pulsesync.publisher.steps")  # one line per object set: `pulsesync publish` prints them
 
 
 class StepTiming(NamedTuple):
