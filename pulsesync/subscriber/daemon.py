@@ -16,6 +16,7 @@ from tenacity import (
     stop_never,
     wait_exponential,
 )
+from tenacity.stop import stop_base
 
 from pulsesync import metrics
 from pulsesync.errors import (
@@ -63,9 +64,17 @@ class Follower(Protocol):
 _PERMANENT = (ConfigError, UnknownKeyError, AccessDeniedError, BucketNotFoundError)
 
 
-def _worth_retrying(error: BaseException, permanent: tuple[type[BaseException], ...]) -> bool:
-    """Every pulsesync error but an empty prefix (a daemon waits it out at its poll interval) and `permanent`."""
-    return isinstance(error, PulseSyncError) and not isinstance(error, (NothingPublishedError, *permanent))
+def _worth_retrying(error: BaseException) -> bool:
+    """Every pulsesync error but an empty prefix, which a daemon waits out at its poll interval."""
+    return isinstance(error, PulseSyncError) and not isinstance(error, NothingPublishedError)
+
+
+class _MetAgain(stop_base):
+    """Stop once an attempt failed with an error another try would meet again."""
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        outcome = retry_state.outcome
+        return outcome is not None and isinstance(outcome.exception(), _PERMANENT)
 
 
 def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | None = None) -> AsyncRetrying:
@@ -74,7 +83,6 @@ def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | Non
     Each failure is recorded (status, metrics, log); a set `stop` cuts a backoff wait short. With
     a bound on `attempts`, an error another try would meet again is raised at once.
     """
-    permanent = _PERMANENT if attempts is not None else ()
 
     async def sleep(seconds: float) -> None:
         if stop is None:
@@ -89,13 +97,14 @@ def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | Non
         follower.status.last_error = f"{type(error).__name__}: {error}"
         metrics.SYNC_FAILURES.inc()
         metrics.HEALTHY.set(int(follower.healthy()[0]))
-        log.error("sync failed (%s); still serving step %d", follower.status.last_error, follower.step)
+        if attempts is None or (state.attempt_number < attempts and not _MetAgain()(state)):  # the last is raised
+            log.error("sync failed (%s); still serving step %d", follower.status.last_error, follower.step)
 
     config = follower.config
     return AsyncRetrying(
-        stop=stop_never if attempts is None else stop_after_attempt(attempts),
+        stop=stop_never if attempts is None else stop_after_attempt(attempts) | _MetAgain(),
         wait=wait_exponential(multiplier=config.retry_initial_seconds, max=config.retry_max_seconds),
-        retry=retry_if_exception(lambda e: _worth_retrying(e, permanent)),
+        retry=retry_if_exception(_worth_retrying),
         after=failed,
         sleep=sleep,
         reraise=True,
