@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/support/sharded_trainer.py OUT --key KEY --layouts fsdp2,uneven,...
 
 Per layout, each rank publishes its own `state_dict()` to file://OUT/<layout>/store through
-`pulsesync.publisher.Publisher` (a ShardedPublisher on several ranks); rank 0 also saves the
+`pulsesync.publisher.Publisher` (its sharded rounds on several ranks); rank 0 also saves the
 whole model of every step to OUT/<layout>/full-<step>.safetensors, for the test to compare with
 (the gather there is the test's, never the publisher's). Layouts:
 
