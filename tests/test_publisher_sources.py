@@ -253,3 +253,21 @@ def test_sigterm_during_publish_checkpoint_finishes_the_step_and_exits_0(tmp_pat
     assert proc.returncode == 0, err
     trusted = signing.trusted_keys([tmp_path / "keys" / "publisher.pub"])
     assert asyncio.run(ready_kinds(ChainClient(FileStore(store), trusted))) == {0: {"anchor"}}, err
+
+
+def test_publish_checkpoint_with_a_cache_dir_resumes_from_local_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A per-checkpoint hook: each `publish --checkpoint` resumes from --cache-dir, not from the store's anchor."""
+    import shutil
+
+    signing.write_keypair(tmp_path / "keys")
+    common = ["--store", f"file://{tmp_path / 'store'}", "--signing-key", str(tmp_path / "keys" / "publisher.key")]
+    common += ["--cache-dir", str(tmp_path / "cache")]
+    for step in (0, 1):
+        write_checkpoint(tmp_path / f"ckpt-{step}", small_state(step))
+    assert main(["publish", *common, "--checkpoint", str(tmp_path / "ckpt-0"), "--step", "0"]) == 0
+    assert "step=0 kind=anchor ok=true" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "store" / "anchors")  # the store cannot rebuild step 0 now: only the cache can
+    assert main(["publish", *common, "--checkpoint", str(tmp_path / "ckpt-1"), "--step", "1"]) == 0
+    assert "step=1 kind=patch ok=true" in capsys.readouterr().out
