@@ -162,6 +162,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             "signing_key": args.signing_key,
             "anchor_interval": args.anchor_interval,
             "metrics_port": args.metrics_port,
+            "cache_dir": args.cache_dir,
             "take_over_prefix": args.take_over_prefix or None,
         },
     )
@@ -433,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--max-steps", type=int, metavar="N", help="--synthetic: stop after N steps (default: never)")
     publish.add_argument("--once", action="store_true", help="with --watch: publish the checkpoints there now, exit")
     publish.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on PORT")
+    publish.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the baseline here between runs: a restart (each --checkpoint) resumes from it, not the store",
+    )
     publish.add_argument(
         "--take-over-prefix",
         action="store_true",
