@@ -16,6 +16,14 @@ The median of pairs (each publish over the copy just before it) is reported besi
 pipeline's own seconds per step; the newest committed step is rebuilt from the store and checked
 bitwise.
 
+One-shot publishing, as a per-checkpoint hook runs it (reported, not enforced): the first
+ONE_SHOT_STEPS states written as checkpoints, each published by its own `pulsesync publish
+--checkpoint DIR --step N` process, which resumes its baseline from the store (a rebuild of the
+newest committed step) or, with `--cache-dir`, from local disk. Per mode: the median seconds of
+the steps after the first (the process's start, torch's import included) and the largest peak
+resident memory over the model's bytes (the process's peak above what it held once its
+modules were imported, VmHWM); the last step is rebuilt from each store and checked bitwise.
+
     python bench/publish.py                         # 106M parameters
     python bench/publish.py --quick --json out.json # 31M parameters, < 60 s: the automation contract
 """
@@ -50,6 +58,14 @@ from pulsesync.synthetic import SyntheticTrainer, llm_like_shapes
 
 PIPELINE_STAGES = ("digest", "encode", "upload", "commit")  # a patch report's <stage>_s seconds
 PUBLISH_OVER_COPY = 2.0  # the contract: publish() under 2x the host copy
+ONE_SHOT_STEPS = 3  # checkpoints published one process each, per mode
+# Runs the CLI; stderr's last line: its peak resident memory (VmHWM, KiB; ru_maxrss would carry the forking
+# parent's peak across exec) once its modules are imported, and at exit.
+_MEASURED_CLI = (
+    "import re, sys\nimport pulsesync.publisher, pulsesync.rebuild\nfrom pulsesync.cli import main\n"
+    "def hwm():\n    return re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+    "base = hwm()\nrc = main(sys.argv[1:])\nprint('hwm', base, hwm(), file=sys.stderr)\nsys.exit(rc)"
+)
 
 
 def make_states(hidden: int, layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
@@ -124,6 +140,46 @@ def run(hidden: int, layers: int, steps: int, interval: float, anchor_interval: 
     }
 
 
+def one_shot(states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """`pulsesync publish --checkpoint` a process per checkpoint, resuming from the store or from --cache-dir."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    dense = dense_bytes(states[0])
+    with tempfile.TemporaryDirectory(prefix="pulsesync-bench-oneshot-") as tmp:
+        root = Path(tmp)
+        signing.write_keypair(root / "keys")
+        for step, state in enumerate(states[:ONE_SHOT_STEPS]):
+            (root / f"ckpt-{step}").mkdir()
+            save_file(state, str(root / f"ckpt-{step}" / "model.safetensors"))
+        out: dict[str, Any] = {}
+        for mode in ("store", "cache_dir"):
+            store = root / f"store-{mode}"
+            args = ["publish", "--store", f"file://{store}", "--signing-key", str(root / "keys" / "publisher.key")]
+            args += ["--cache-dir", str(root / "cache")] if mode == "cache_dir" else []
+            seconds, peaks = [], []
+            for step in range(ONE_SHOT_STEPS):
+                t0 = time.perf_counter()
+                cmd = [sys.executable, "-c", _MEASURED_CLI, *args, "--checkpoint", str(root / f"ckpt-{step}")]
+                done = subprocess.run([*cmd, "--step", str(step)], capture_output=True, text=True, timeout=600)
+                seconds.append(time.perf_counter() - t0)
+                if done.returncode:
+                    sys.exit(f"one-shot publish of step {step} ({mode}) failed:\n{done.stderr[-2000:]}")
+                base, peak = (int(kib) * 1024 for kib in done.stderr.split()[-2:])
+                peaks.append(peak - base)
+            reader = ChainClient(FileStore(store), signing.trusted_keys([root / "keys" / "publisher.pub"]))
+            rebuilt = asyncio.run(reconstruct(reader, ONE_SHOT_STEPS - 1))
+            for name, t in states[ONE_SHOT_STEPS - 1].items():
+                assert torch.equal(rebuilt.state[name].view(torch.int16), t.view(torch.int16)), (mode, name)
+            out[mode] = {
+                "seconds": statistics.median(seconds[1:]),
+                "peak_over_model": max(peaks[1:]) / dense,
+                "per_step": {"seconds": seconds, "peak_bytes_over_imports": peaks},
+            }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="31M parameters, 20 steps")
@@ -140,6 +196,7 @@ def main() -> None:
     steps = args.steps or (20 if args.quick else 16)
     interval = args.interval if args.interval is not None else (0.5 if args.quick else 2.0)
     r = run(hidden, layers, steps, interval, args.anchor_interval)
+    r["one_shot"] = one_shot(make_states(hidden, layers, ONE_SHOT_STEPS))
     print(f"{r['parameters'] / 1e6:.0f}M parameters bf16 ({r['dense_bytes'] / 1e6:.0f} MB), {steps} steps")
     print(f"{'measure':<28} {'seconds':>9}")
     print(f"{'host_copy (baseline)':<28} {r['host_copy_s']:>9.4f}")
@@ -153,6 +210,10 @@ def main() -> None:
         f"median of pairs {r['ratio_publish_to_copy']:.2f}x; "
         f"{r['committed_steps']} steps committed, {r['skipped_steps']} skipped; patch ratio {r['patch_ratio']:.0f}x"
     )
+    print(f"\none-shot `publish --checkpoint`, a process per step (median of steps 1..{ONE_SHOT_STEPS - 1})")
+    print(f"{'baseline from':<28} {'seconds':>9} {'peak/model':>11}")
+    for mode, o in r["one_shot"].items():
+        print(f"{mode:<28} {o['seconds']:>9.2f} {o['peak_over_model']:>10.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2))
     if args.plots:
