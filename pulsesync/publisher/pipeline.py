@@ -112,7 +112,7 @@ class AsyncPublisher:
         """Wait until every accepted step is committed or failed, background anchors included."""
         assert self._cond is not None, "call start() first"
         async with self._cond:
-            await self._cond.wait_for(lambda: self._fatal is not None or (not self._pending and not self._busy))
+            await self._cond.wait_for(lambda: self._stopped is not None or (not self._pending and not self._busy))
         await self.rounds.drain()
         self._raise_fatal()
 
@@ -180,7 +180,7 @@ class AsyncPublisher:
         async with self._cond:
             if self.config.on_backpressure == "block":
                 await self._cond.wait_for(
-                    lambda: self._fatal is not None or len(self._pending) < self.config.max_pending
+                    lambda: self._stopped is not None or len(self._pending) < self.config.max_pending
                 )
                 self._raise_fatal()
             elif len(self._pending) >= self.config.max_pending:
@@ -194,9 +194,13 @@ class AsyncPublisher:
             self._cond.notify_all()
 
     def _raise_fatal(self) -> None:
-        fatal = self._fatal or self.rounds.fatal
-        if fatal is not None:
-            raise fatal
+        if self._stopped is not None:
+            raise self._stopped
+
+    @property
+    def _stopped(self) -> BaseException | None:
+        """What stopped publishing: a conflict, a bug, a rank's failure, or one the rounds met in the background."""
+        return self._fatal or self.rounds.fatal
 
     def _record(self, report: StepReport) -> None:
         report.skipped_total = self.skipped
@@ -227,10 +231,10 @@ class AsyncPublisher:
                     self.rounds.pool.release(snap.state)  # failed: nothing holds it
                 async with self._cond:
                     self._busy = False
-                    if self._fatal is not None:
+                    if self._stopped is not None:
                         self._pending.clear()
                     self._cond.notify_all()
-            if self._fatal is not None:
+            if self._stopped is not None:
                 return
 
 
