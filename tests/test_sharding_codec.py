@@ -3,6 +3,8 @@ bit for bit and compose to the digest of an unsharded publish; layouts are valid
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from pulsesync.codec import (
     encode_part,
 )
 from pulsesync.codec.parse import PatchDecoder, read_header
-from pulsesync.digest import state_digest
+from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import ConfigError, CorruptPatchError, IntegrityError, MissingReferenceError
 from pulsesync.sharding import Piece, Rows, local_pieces, validate
 from pulsesync.synthetic import REAL_LIKE_NEAR_ZERO, REAL_LIKE_WEIGHT_STD, SyntheticTrainer, llm_like_shapes
@@ -123,15 +125,7 @@ def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_
             named = [read_header(p.data).reference_sha256 for p in parts]
             assert named == [r.sha256 if r else None for r in references]  # every part: its rank's part before
             assert any("HISTORY/" in coding for p in parts for coding in p.codings)
-        collected = StepHistory()
-        base_digest = state_digest(states[step - 1])
-        got = apply_parts(
-            held,
-            [p.data for p in parts],
-            base_digest=base_digest,
-            reference=history,
-            histories=[collected.add(p.history.sha256) for p in parts],
-        )
+        got, collected = _apply_collecting(held, parts, state_digest(states[step - 1]), history)
         assert_states_equal(held, states[step])
         assert got.root == state_digest(states[step]).root
         assert [h.chunks.keys() for h in collected.patches.values()] == [p.history.chunks.keys() for p in parts]
@@ -149,6 +143,17 @@ def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_
     with pytest.raises(MissingReferenceError, match="part 0 is history-coded against patch"):
         apply_parts(fresh, [p.data for p in parts], base_digest=state_digest(states[4]), reference=StepHistory())
     assert_states_equal(fresh, states[4])
+
+
+def _apply_collecting(
+    held: dict[str, torch.Tensor], parts: list[Any], base_digest: StateDigest, history: StepHistory
+) -> tuple[StateDigest, StepHistory]:
+    """Apply a step's parts to `held` as a subscriber does: against the step before's histories, collecting
+    each part's own under its SHA-256."""
+    collected = StepHistory()
+    histories = [collected.add(p.history.sha256) for p in parts]
+    got = apply_parts(held, [p.data for p in parts], base_digest=base_digest, reference=history, histories=histories)
+    return got, collected
 
 
 def test_strided_parts_history_coded_where_chunk_keys_repeat_across_ranks() -> None:
@@ -171,14 +176,7 @@ def test_strided_parts_history_coded_where_chunk_keys_repeat_across_ranks() -> N
         assert parts[0].history.chunks.keys() == parts[1].history.chunks.keys()  # the same global chunks
         if step > 1:
             assert all(any(c.startswith("HISTORY/") for c in p.codings) for p in parts)
-        collected = StepHistory()
-        got = apply_parts(
-            held,
-            [p.data for p in parts],
-            base_digest=digest,
-            reference=history,
-            histories=[collected.add(p.history.sha256) for p in parts],
-        )
+        got, collected = _apply_collecting(held, parts, digest, history)
         assert_states_equal(held, new)
         assert got.root == state_digest(new).root
         history, references = collected, [p.history for p in parts]
