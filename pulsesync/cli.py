@@ -63,22 +63,44 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
     verbose, quiet = args.verbose + args.top_verbose, args.quiet or args.top_quiet
     level = logging.ERROR if quiet else [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
-    handler = logging.StreamHandler()
+    terminal = sys.stderr.isatty()
+    handler = _AroundBars() if terminal else logging.StreamHandler()
+    if terminal:
+        from pulsesync import progress
+
+        progress.show_bars(sys.stderr)
     if (args.log_format or args.top_log_format) == "json":
         handler.setFormatter(JsonLogFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(RedactCredentials())  # -vv turns on botocore's debug log, which prints headers
     logging.basicConfig(level=level, handlers=[handler])  # none if the root logs already (an embedding program)
-    logging.getLogger("pulsesync.transfer").setLevel(min(level, logging.INFO))  # progress lines off a terminal
+    logging.getLogger("pulsesync.progress").setLevel(min(level, logging.INFO))  # progress lines off a terminal
     args.verbose, args.quiet = verbose, quiet
+
+
+class _AroundBars(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines on a terminal that shows progress bars: each printed above the bars, which are redrawn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
 
 
 class _StepLines(logging.Handler):
     """Each published object set's line on stdout as it happens (not once more on stderr)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(record.getMessage(), flush=True)
+        if sys.stderr.isatty():  # progress bars may be on the screen: print above them
+            from tqdm import tqdm
+
+            tqdm.write(record.getMessage(), file=sys.stdout)
+        else:
+            print(record.getMessage(), flush=True)
 
 
 def load_config(model: Any, path: Path | None, overrides: dict[str, Any]) -> Any:
@@ -366,8 +388,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_store(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pulsesync.progress import phase
     from pulsesync.store import open_store
-    from pulsesync.store.progress import reporter
 
     config = _config(args)
 
@@ -377,10 +399,14 @@ def _cmd_store(args: argparse.Namespace) -> int:
                 async for info in store.list(args.prefix):
                     print(f"{info.size:>15,}  {info.key}")
             elif args.action == "put":
-                done = await store.upload_file(args.key, args.file, progress=reporter())
+                with phase(f"upload {args.key}", args.file.stat().st_size) as shown:
+                    done = await store.upload_file(args.key, args.file, progress=shown.transfer)
                 print(f"uploaded {store.url}{done.key}: {done.size:,} bytes, sha256 {done.sha256}")
             else:
-                done = await store.download_file(args.key, args.file, progress=reporter(), expected_sha256=args.sha256)
+                with phase(f"download {args.key}", None) as shown:
+                    done = await store.download_file(
+                        args.key, args.file, progress=shown.transfer, expected_sha256=args.sha256
+                    )
                 print(f"downloaded {store.url}{done.key} to {args.file}: {done.size:,} bytes, sha256 {done.sha256}")
 
     asyncio.run(run())

@@ -23,6 +23,7 @@ from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, PulseSyncError
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned, pieces_metadata
+from pulsesync.progress import phase
 from pulsesync.protocol.chain import ChainClient, check_digest, split_parts
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest
 from pulsesync.sharding.layout import Assembly
@@ -54,14 +55,21 @@ async def load_anchor(
     state: dict[str, torch.Tensor] = {}
     files: dict[str, bytes] = {}
     assembly: Assembly | None = None
-    with tempfile.TemporaryDirectory(prefix=f"pulsesync-anchor-{manifest.step}-") as spool:
+    total = sum(ref.size for ref in manifest.objects)
+    with (
+        tempfile.TemporaryDirectory(prefix=f"pulsesync-anchor-{manifest.step}-") as spool,
+        phase(f"anchor {manifest.step}: download", total) as shown,
+    ):
         for ref in manifest.objects:
             name = ref.key.rsplit("/", 1)[-1]
             if not name.endswith(WEIGHT_SUFFIX):
                 files[name] = await chain.fetch(ref)
+                shown.advance(ref.size)
                 continue
             path = Path(spool) / name
-            done = await chain.store.download_file(ref.key, path, expected_sha256=ref.sha256, expected_size=ref.size)
+            done = await chain.store.download_file(
+                ref.key, path, progress=shown.transfer, expected_sha256=ref.sha256, expected_size=ref.size
+            )
             chain.bytes_downloaded += done.size
             try:
                 shard = await asyncio.to_thread(load_owned, path)
@@ -215,6 +223,8 @@ async def apply_chain(
     `reference` is the history of the patch that produced `state` (None after an anchor).
     Returns the new digest and the last patch's history.
     """
+    if not links:
+        return digest, reference
     fetches: dict[int, asyncio.Task[bytes]] = {}
 
     def prefetch(i: int) -> None:
@@ -224,17 +234,19 @@ async def apply_chain(
     try:
         for i in range(min(window, len(links))):
             prefetch(i)
-        for i, link in enumerate(links):
-            prefetch(i + window)
-            data = await fetches.pop(i)
-            if undo is not None:
-                undo.append(UndoLog())
-            history = StepHistory()
-            log_ = undo[-1] if undo is not None else None
-            digest = await apply_step(chain, state, digest, link, data, log_, reference, history)
-            reference = history
-            if applied is not None:
-                applied.append((link, data))
+        with phase(f"patches to step {links[-1].step}: fetch and apply", len(links), "patch") as shown:
+            for i, link in enumerate(links):
+                prefetch(i + window)
+                data = await fetches.pop(i)
+                if undo is not None:
+                    undo.append(UndoLog())
+                history = StepHistory()
+                log_ = undo[-1] if undo is not None else None
+                digest = await apply_step(chain, state, digest, link, data, log_, reference, history)
+                reference = history
+                if applied is not None:
+                    applied.append((link, data))
+                shown.advance(1)
     finally:
         for task in fetches.values():
             task.cancel()

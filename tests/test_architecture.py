@@ -19,6 +19,7 @@ LAYERS = {
     "deadlines": 1,
     "metrics": 1,
     "atomic_files": 1,
+    "progress": 1,
     "mixsum": 1,
     "digest": 2,
     "model_dir": 2,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import io
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +11,9 @@ import pytest
 
 from pulsesync.config import Config, load_config
 from pulsesync.errors import ConfigError, IntegrityError, StoreError
-from pulsesync.store import FileStore, RetryPolicy, S3Store, TransferProgress, open_store, progress, retry
+from pulsesync.store import FileStore, RetryPolicy, S3Store, open_store, retry
 from pulsesync.store.base import check_key
 from pulsesync.store.config import StoreConfig
-from pulsesync.store.progress import describe, reporter
 
 
 def test_open_store_from_urls(tmp_path: Path) -> None:
@@ -45,41 +42,6 @@ def test_check_key() -> None:
     for bad in ["", "/a", "a/", "a//b", "..", "a/../b", "./a", "a/."]:
         with pytest.raises(StoreError, match="invalid key"):
             check_key(bad)
-
-
-def test_progress_rate_eta_and_description() -> None:
-    p = TransferProgress("k", done=50 << 20, total=200 << 20, elapsed=2.0)
-    assert p.rate == 25 << 20
-    assert p.eta == pytest.approx(6.0)
-    assert describe(p) == "k: 50.0 MiB/200.0 MiB (25%) 25.0 MiB/s ETA 6s"
-    assert TransferProgress("k", 0, 10, 0.0).eta is None
-
-
-def test_progress_log_lines_when_not_a_terminal(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 14, item 14: the first line is logged even when the monotonic clock is younger than the interval."""
-    monkeypatch.setattr(progress.time, "monotonic", lambda: 5.0)  # a machine booted 5 s ago
-    caplog.set_level(logging.INFO, "pulsesync.transfer")
-    report = reporter(io.StringIO(), interval=3600)
-    for done in (10, 20, 30, 100):
-        report(TransferProgress("obj", done, 100, 1.0))
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["transfer obj: 10 B/100 B (10%) 10 B/s ETA 9s", "transfer obj: 100 B/100 B (100%) 100 B/s ETA 0s"]
-
-
-def test_progress_bar_on_a_terminal() -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    out = Terminal()
-    report = reporter(out)
-    report(TransferProgress("obj", 50, 100, 1.0))
-    report(TransferProgress("obj", 100, 100, 2.0))
-    text = out.getvalue()
-    assert text.startswith("\r[" + "#" * 15 + "." * 15 + "] obj: 50 B/100 B (50%)")
-    assert text.endswith("(100%) 50 B/s ETA 0s\x1b[K\n")
 
 
 async def test_a_store_call_cancelled_as_its_request_fails_loses_no_exception() -> None:

@@ -31,6 +31,7 @@ async def resume_baseline(
             if manifest.state_digest.root == cached.digest.root:
                 log.info("resumed at step %d from cache %s (digest %s)", newest, cache_dir, cached.digest.root)
                 return cached
+    log.info("resuming at step %d: rebuilding it from %s", newest, chain.store.url)
     try:
         rebuilt = await reconstruct(chain, newest)
     except PulseSyncError as e:

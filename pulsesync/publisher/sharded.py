@@ -37,6 +37,7 @@ from pulsesync.digest import INCREMENTAL, StateDigest, moved_digest, summed_dige
 from pulsesync.dtypes import State, flat_bits
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
 from pulsesync.model_dir import PIECES_FILE, write_pieces
+from pulsesync.progress import phase
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import ObjectRef, Sizes
@@ -297,7 +298,9 @@ class ShardedRounds(Rounds):
                 await asyncio.to_thread(write_pieces, path, {n: snap.state[n] for n in pieces}, places)
             except OSError as e:
                 raise PulseSyncError(f"anchor {snap.step}: cannot write {path} ({e})") from e
-            done = await self.store.upload_file(layout.anchor_dir(snap.step, self.run_id) + name, path)
+            with phase(f"anchor {snap.step}: rank {self.rank}'s upload", path.stat().st_size) as shown:
+                key = layout.anchor_dir(snap.step, self.run_id) + name
+                done = await self.store.upload_file(key, path, progress=shown.transfer)
         ref = ObjectRef(key=done.key, size=done.size, sha256=done.sha256)
         return _Part(self.rank, "", [ref], sums, sum(p.length for p in pieces.values()))
 

@@ -29,6 +29,7 @@ from pulsesync.digest import INCREMENTAL, StateDigest, state_digest
 from pulsesync.dtypes import State, dense_bytes
 from pulsesync.errors import ConflictError, PulseSyncError
 from pulsesync.model_dir import WEIGHT_SUFFIX, write_model_dir
+from pulsesync.progress import phase
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest
@@ -264,9 +265,10 @@ class WholeModelRounds(Rounds):
             t1 = time.perf_counter()
             prefix = layout.anchor_dir(step, self.run_id)
             refs = []
-            for name in names:
-                done = await self.store.upload_file(prefix + name, spool / name)
-                refs.append(ObjectRef(key=done.key, size=done.size, sha256=done.sha256))
+            with phase(f"anchor {step}: upload", sum((spool / name).stat().st_size for name in names)) as shown:
+                for name in names:
+                    done = await self.store.upload_file(prefix + name, spool / name, progress=shown.transfer)
+                    refs.append(ObjectRef(key=done.key, size=done.size, sha256=done.sha256))
             t2 = time.perf_counter()
             report.wire_bytes = sum(r.size for r in refs)
             shards = sum(1 for n in names if n.endswith(WEIGHT_SUFFIX))

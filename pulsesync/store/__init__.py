@@ -5,10 +5,10 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from pulsesync.errors import ConfigError
+from pulsesync.progress import ProgressCallback, TransferProgress
 from pulsesync.store.base import ObjectInfo, Store, TransferResult
 from pulsesync.store.config import StoreConfig
 from pulsesync.store.fs import FileStore
-from pulsesync.store.progress import ProgressCallback, TransferProgress
 from pulsesync.store.retry import RetryPolicy
 from pulsesync.store.s3 import S3Store
 

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from pulsesync.atomic_files import AtomicFile
 from pulsesync.errors import IntegrityError, NotFoundError, StoreError
-from pulsesync.store.progress import ProgressCallback
+from pulsesync.progress import ProgressCallback
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pulsesync import metrics
 from pulsesync.atomic_files import TEMP_MARK, write_file
 from pulsesync.deadlines import within
 from pulsesync.errors import ConflictError, NotFoundError, PulseSyncError, StoreError
+from pulsesync.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.base import (
     ObjectInfo,
     Store,
@@ -32,7 +33,6 @@ from pulsesync.store.base import (
     oversized,
     write_atomically,
 )
-from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import translate_error
 
 log = logging.getLogger("pulsesync.store")

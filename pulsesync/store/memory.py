@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from pulsesync.errors import ConflictError, NotFoundError
+from pulsesync.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.base import (
     ObjectInfo,
     Store,
@@ -23,7 +24,6 @@ from pulsesync.store.base import (
     oversized,
     write_atomically,
 )
-from pulsesync.store.progress import ProgressCallback, ProgressTracker
 
 
 class MemoryStore(Store):

@@ -21,9 +21,9 @@ import botocore.exceptions
 from botocore.config import Config as BotoConfig
 
 from pulsesync.errors import BucketNotFoundError, ConflictError, IntegrityError, StoreError
+from pulsesync.progress import ProgressCallback, ProgressTracker
 from pulsesync.store import base
 from pulsesync.store.base import ObjectInfo, Store, TransferResult, check_key, oversized
-from pulsesync.store.progress import ProgressCallback, ProgressTracker
 from pulsesync.store.retry import RetryPolicy, TruncatedBodyError, call, log, translate_error
 
 T = TypeVar("T")
