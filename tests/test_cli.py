@@ -157,6 +157,25 @@ def test_publish_names_a_missing_checkpoint_or_watch_dir_before_touching_the_sto
     assert err.startswith("pulsesync: error: " + says.format(missing=missing)) and err.count("\n") == 1
 
 
+def test_a_one_shot_publish_of_a_step_the_store_holds_fails_before_rebuilding_the_baseline(tmp_path: Path) -> None:
+    """The conflict is known from the markers alone: no anchor is downloaded, no patch applied, exit 6."""
+    from tests.support.helpers import trainer_states, write_checkpoint
+
+    assert main(["-q", "keygen", "--out", str(tmp_path / "keys")]) == 0
+    for step, state in enumerate(trainer_states(2)):
+        write_checkpoint(tmp_path / f"ck{step}", state)
+    args = [sys.executable, "-m", "pulsesync", "-v", "publish", "--store", f"file://{tmp_path / 'store'}"]
+    args += ["--signing-key", str(tmp_path / "keys" / "publisher.key")]
+    for step in (0, 1):
+        done = subprocess.run([*args, "--checkpoint", str(tmp_path / f"ck{step}"), "--step", str(step)], timeout=300)
+        assert done.returncode == 0
+    again = [*args, "--checkpoint", str(tmp_path / "ck1"), "--step", "1"]
+    done = subprocess.run(again, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 6, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("pulsesync: error: ConflictError: step 1 is not newer than step 1")
+    assert "resum" not in done.stderr, done.stderr  # neither "resuming ... rebuilding" nor "resumed at step"
+
+
 @pytest.mark.parametrize("command", ["subscribe", "publish"])
 def test_a_missing_bucket_is_named_with_its_endpoint_in_one_line(
     command: str, moto_endpoint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
