@@ -94,12 +94,24 @@ class AsyncPublisher:
         return self.rounds.stream_id
 
     # --- lifecycle -------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Read the prefix's ready markers, resume the baseline if configured, start the pipeline."""
+    async def start(self, first_step: int | None = None) -> None:
+        """Read the prefix's ready markers, resume the baseline if configured, start the pipeline.
+
+        `first_step`, the step about to be published, is checked against the store's before any
+        baseline is rebuilt (ConflictError), so a one-shot publish of a taken step fails at once.
+        A failed start closes the store.
+        """
         if self._worker is not None:
             return
-        self._cond = asyncio.Condition()
-        self._last_step = await self.rounds.start()
+        try:
+            self._cond = asyncio.Condition()
+            self._last_step = await self.rounds.scan()
+            if first_step is not None:
+                self.check_step(first_step)
+            await self.rounds.resume()
+        except BaseException:
+            await self.store.close()  # its HTTP sessions too: nothing is left open on a failed start
+            raise
         if self._coordinator.rank == 0:
             metrics.serve(self.config.metrics_port)
         self._worker = asyncio.create_task(self._work(), name="pulsesync-publisher")
@@ -133,11 +145,7 @@ class AsyncPublisher:
         await self.rounds.close()
 
     async def __aenter__(self) -> AsyncPublisher:
-        try:
-            await self.start()
-        except BaseException:
-            await self.store.close()  # its HTTP sessions too: nothing is left open on a failed start
-            raise
+        await self.start()
         return self
 
     async def __aexit__(

@@ -32,8 +32,11 @@ class Rounds(ABC):
     fatal: BaseException | None = None  # found after `publish` returned (a conflict met by a background anchor)
 
     @abstractmethod
-    async def start(self) -> int:
-        """Read the store (the prefix's stream, the baseline to resume); returns the newest step there (-1: none)."""
+    async def scan(self) -> int:
+        """Read the prefix's markers (the stream to continue); returns the newest step there (-1: none)."""
+
+    async def resume(self) -> None:  # noqa: B027 - a shape without a baseline to rebuild has nothing to do
+        """Take up the baseline of the newest step (from cache_dir or rebuilt from the store), if configured."""
 
     @abstractmethod
     def copy(self, step: int, state: State, files: dict[str, bytes]) -> HostCopy:

@@ -139,7 +139,7 @@ class ShardedRounds(Rounds):
         return await asyncio.to_thread(call, obj)
 
     # --- start ---------------------------------------------------------------------------------
-    async def start(self) -> int:
+    async def scan(self) -> int:
         """Rank 0 reads the prefix (the stream to continue, the newest step) and tells every rank."""
         found = await self._start_on_root() if self.rank == 0 else None
         found = await self._collective(self._coordinator.broadcast, found)

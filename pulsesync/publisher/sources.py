@@ -26,7 +26,9 @@ async def publish_checkpoint(config: PublisherConfig, path: Path, step: int) -> 
     """Publish one checkpoint as `step` against the newest committed step (resuming), then exit."""
     config = config.model_copy(update={"resume": True})
     check_checkpoint(path)  # before the baseline is rebuilt from the store
-    async with AsyncPublisher(config) as publisher:
+    publisher = AsyncPublisher(config)
+    await publisher.start(first_step=step)  # a step the store holds already is refused before the rebuild
+    async with publisher:
         state, files = await asyncio.to_thread(load_checkpoint, path, config.anchor_files)
         await publisher.publish(step, state, files)
         del state

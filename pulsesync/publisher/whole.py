@@ -58,6 +58,7 @@ class WholeModelRounds(Rounds):
         self._files = read_files({p.name: p for p in config.extra_files})
         self._background: asyncio.Task[None] | None = None
         self._base: VerifiedState | None = None  # the last committed state: what every subscriber can hold
+        self._ready: dict[int, set[layout.Kind]] = {}  # the prefix's commits up to our newest, from `scan`
         # What the base step's patch changed, and that patch: the reference of the next patch. None
         # after an anchor, so a subscriber that starts from the anchor decodes its successor.
         self._history: PatchHistory | None = None
@@ -66,8 +67,8 @@ class WholeModelRounds(Rounds):
         self.chain = ChainClient(store, signing.trusted_keys([key.public_key()]), config.codec.threads or 1)
         self._guard = PrefixGuard(self.chain)
 
-    async def start(self) -> int:
-        """Read the prefix's ready markers and resume the baseline if configured; returns the newest step."""
+    async def scan(self) -> int:
+        """Read the prefix's ready markers: the stream to continue and the newest step."""
         await self._guard.scan()
         newest, last_step = await newest_own(self.chain, self.config.take_over_prefix, self.stream_id)
         ready = {s: k for s, k in (await self.chain.ready()).items() if newest is not None and s <= newest}
@@ -76,16 +77,19 @@ class WholeModelRounds(Rounds):
             assert found is not None
             self.stream_id = found[1].stream_id or self.stream_id  # the prefix's stream goes on
         self.chain.stream_id = self.stream_id
-        if ready:
-            last_step = max(ready)
-            if self.config.resume:
-                self._base = await resume_baseline(self.chain, ready, self.config.cache_dir, self.config.codec.threads)
-                if self._base is not None:
-                    with contextlib.suppress(PulseSyncError):  # the kinds since the last anchor, for the schedule
-                        await self.chain.walk(max(ready), lambda s: "anchor" in ready.get(s, ()))
-                    self._schedule.resume(ready)
-                await self._resume_history()
-        return last_step
+        self._ready = ready
+        return max(ready) if ready else last_step
+
+    async def resume(self) -> None:
+        ready = self._ready
+        if not ready or not self.config.resume:
+            return
+        self._base = await resume_baseline(self.chain, ready, self.config.cache_dir, self.config.codec.threads)
+        if self._base is not None:
+            with contextlib.suppress(PulseSyncError):  # the kinds since the last anchor, for the schedule
+                await self.chain.walk(max(ready), lambda s: "anchor" in ready.get(s, ()))
+            self._schedule.resume(ready)
+        await self._resume_history()
 
     async def _resume_history(self) -> None:
         """Take up the history of the baseline's patch (rebuilt, or cached beside the state), so the next patch
