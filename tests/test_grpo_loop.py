@@ -37,7 +37,6 @@ import torch
 from prometheus_client import REGISTRY
 from safetensors.torch import save_file
 
-from bench.real_llm import smollm2_gguf
 from pulsesync.errors import PolicyLagError
 from pulsesync.integrations.rollout import RolloutBatch, RolloutClient
 from pulsesync.protocol import signing
@@ -46,7 +45,7 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.rebuild import reconstruct
 from pulsesync.store import FileStore
 from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, rpc_all
-from tests.support.vllm_workload import TINY_LLAMA, checksums
+from tests.support.vllm_workload import checksums, launch_checkpoint
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -59,7 +58,6 @@ pytestmark = [
 STEPS = 8
 GENERATIONS = 4
 # The engine tests' tiny Llama body (head_dim 64, as vLLM's CPU attention wants) with SmolLM2's vocabulary.
-TINY = {k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"}
 # Short, distinct prompts: no two batches share a cached prefix block, so a replay computes alike.
 PROMPTS = [f"Say {n}:" for n in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")]
 
@@ -68,26 +66,6 @@ def vowels(completions: list[str], policy_step: list[int], **_: Any) -> list[flo
     """The reward: vowels per completion (programmatic), which also checks TRL forwards policy_step."""
     assert len(policy_step) == len(completions)
     return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
-
-
-def launch_checkpoint(root: Path) -> tuple[Any, Any]:
-    """The model and tokenizer; the launch checkpoint (bf16, tokenizer files) in root/launch."""
-    gguf = smollm2_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **TINY,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(root / "launch")
-    model.float()  # trains in fp32, publishes bf16 (what vLLM serves), as RL trainers do
-    tokenizer.save_pretrained(root / "launch")
-    return model, tokenizer
 
 
 def start_subscriber(root: Path, engine_url: str) -> subprocess.Popen[bytes]:

@@ -102,3 +102,27 @@ def publish_checkpoints(root: Path) -> str:
     )  # fmt: skip
     assert publish.returncode == 0, publish.stderr
     return store_url
+
+
+def launch_checkpoint(root: Path) -> tuple[Any, Any]:
+    """The model and tokenizer; the launch checkpoint (bf16, tokenizer files) in root/launch."""
+    import transformers
+
+    from bench.real_llm import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **{k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"},
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(root / "launch")
+    model.float()  # trains in fp32, publishes bf16 (what vLLM serves), as RL trainers do
+    tokenizer.save_pretrained(root / "launch")
+    return model, tokenizer
