@@ -255,7 +255,7 @@ def _run_shell(world: Machine, command: str) -> str:
             )
             assert proc.stdout is not None
             lines: list[str] = []
-            reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+            reader = threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True)
             reader.start()
             deadline = time.monotonic() + 240
             while not any(done in line for line in lines) and proc.poll() is None and time.monotonic() < deadline:
@@ -445,7 +445,7 @@ def test_sharding_snippet_under_torchrun(machine: Machine) -> None:
         config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=256, torch_dtype="bfloat16")
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-        loader = range(3)
+        loader = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (3, 2, 8))]  # seeded: every rank's
         """
     )
     snippet = snippet.replace("s3://bucket/", f"s3://{machine.slug}-bucket/")
