@@ -225,9 +225,20 @@ def test_a_config_typo_names_the_key_meant_and_every_error(tmp_path: Path, capsy
     assert "codec.zstd_level:" in err and "more)" not in err
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["publish", "--help"], ["subscribe", "--bogus-flag"]])
-def test_help_and_usage_errors_import_no_heavy_module(argv: list[str]) -> None:
-    """`--help` and a usage error answer at once: torch, the S3 client and numba load only for real work."""
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["publish", "--help"],
+        ["subscribe", "--bogus-flag"],
+        *([command, "--store", "gs://bucket/run"] for command in ("demo", "inspect", "retain", "subscribe", "verify")),
+        ["publish", "--store", "http://127.0.0.1:9000/bucket", "--synthetic"],
+        ["store", "ls", "--store", "gs://bucket/run"],
+        ["publish", "--config", "/nonexistent/publisher.yaml", "--synthetic"],
+    ],
+)
+def test_help_usage_and_config_errors_import_no_heavy_module(argv: list[str]) -> None:
+    """`--help`, a usage error and a config error answer at once: torch, the S3 client and numba load for work."""
     code = (
         "import sys\nfrom pulsesync.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
         "print([m for m in ('torch', 'aiobotocore', 'numba') if m in sys.modules])"
