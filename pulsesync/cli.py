@@ -59,7 +59,7 @@ class JsonLogFormatter(logging.Formatter):
 
 def _setup_logging(args: argparse.Namespace) -> None:
     """The root log on stderr at the level -v/-q ask for, text or JSON, credentials redacted."""
-    from pulsesync.store.s3 import RedactCredentials
+    from pulsesync.store.redaction import RedactCredentials
 
     verbose, quiet = args.verbose + args.top_verbose, args.quiet or args.top_quiet
     level = logging.ERROR if quiet else [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
@@ -154,9 +154,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from pulsesync.demo import run_demo
-
     config = _config(args)
+    from pulsesync.demo import run_demo  # after the config: a config error answers without torch
+
     if not args.verbose:  # the table says where subscribers fell back; -v adds the log lines
         logging.getLogger("pulsesync.subscriber").setLevel(logging.ERROR)
     ok = run_demo(
@@ -233,8 +233,6 @@ def _publish(args: argparse.Namespace, config: Any) -> int:
 def _cmd_subscribe(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pulsesync.subscriber import Subscriber
-
     config = _subscriber_config(
         args,
         cache_dir=args.cache_dir,
@@ -243,6 +241,8 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         reset_stream=args.reset_stream or None,
     )
+    from pulsesync.subscriber import Subscriber  # after the config: a config error answers without torch
+
     logging.getLogger("pulsesync.subscriber").setLevel(logging.INFO)  # one line per served step
 
     async def run() -> None:
@@ -263,11 +263,7 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
 def _cmd_retain(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pulsesync import metrics
-    from pulsesync.protocol import signing
-    from pulsesync.retention import RetentionWorker
     from pulsesync.retention.policy import RetentionConfig
-    from pulsesync.store import open_store
 
     config = load_config(
         RetentionConfig,
@@ -284,6 +280,11 @@ def _cmd_retain(args: argparse.Namespace) -> int:
     )
     if args.trusted_key:
         config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
+    from pulsesync import metrics  # after the config: a config error answers without torch
+    from pulsesync.protocol import signing
+    from pulsesync.retention import RetentionWorker
+    from pulsesync.store import open_store
+
     trusted = signing.trusted_keys(config.trusted_keys)
     logging.getLogger("pulsesync.retention").setLevel(logging.INFO)  # one summary line per run
 
@@ -308,6 +309,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     import datetime as dt
     import json
 
+    config = _subscriber_config(args)  # first: a config error answers without torch
     from pulsesync.errors import IntegrityError
     from pulsesync.inspect_chain import (
         chain_rows,
@@ -321,7 +323,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from pulsesync.protocol.fleet import read_fleet
     from pulsesync.store import open_store
 
-    config = _subscriber_config(args)
     trusted = signing.trusted_keys(config.trusted_keys) if config.trusted_keys else None
 
     async def run() -> None:
@@ -358,14 +359,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import json
 
     from pulsesync.errors import ConfigError
-    from pulsesync.protocol import signing
-    from pulsesync.protocol.chain import ChainClient
-    from pulsesync.rebuild import reconstruct
-    from pulsesync.store import open_store
 
     config = _subscriber_config(args)
     if not config.trusted_keys:
         raise ConfigError("trusted_keys: verify needs at least one trusted public key (--trusted-key)")
+    from pulsesync.protocol import signing  # after the config: a config error answers without torch
+    from pulsesync.protocol.chain import ChainClient
+    from pulsesync.rebuild import reconstruct
+    from pulsesync.store import open_store
 
     async def run() -> None:
         async with open_store(config.store) as store:

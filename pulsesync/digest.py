@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,11 +23,10 @@ import xxhash
 from pydantic import BaseModel, ConfigDict
 
 from pulsesync import mixsum
+from pulsesync.digest_algorithms import DEFAULT_ALGORITHM, DigestAlgorithm
 from pulsesync.dtypes import State, dtype_info, flat_bits
 from pulsesync.threads import parallel_map
 
-DigestAlgorithm = Literal["mixsum-128", "xxh3-128", "sha256"]
-DEFAULT_ALGORITHM: DigestAlgorithm = "mixsum-128"
 INCREMENTAL: frozenset[str] = frozenset({"mixsum-128"})  # updatable from the changed elements alone
 _DEVICE_CHUNK_BYTES = 256 << 20
 

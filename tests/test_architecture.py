@@ -20,6 +20,7 @@ LAYERS = {
     "metrics": 1,
     "atomic_files": 1,
     "progress": 1,
+    "digest_algorithms": 1,
     "mixsum": 1,
     "digest": 2,
     "model_dir": 2,

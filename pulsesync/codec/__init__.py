@@ -4,34 +4,87 @@ Pure: no I/O. `encoder` writes patches, `parse` reads them, `apply` applies them
 byte layout (docs/patch-format.md), `bits` the position and value coding, `fused` its numba kernels.
 """
 
-from pulsesync.codec.apply import UndoLog, apply_parts, apply_patch, apply_record
-from pulsesync.codec.encoder import EncodedPart, EncodedPatch, encode, encode_part, encode_patch
-from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, RecordKind, ValueCoding
-from pulsesync.codec.history import ChunkHistory, PatchHistory, StepHistory
-from pulsesync.codec.params import CodecParams
-from pulsesync.codec.parse import PatchDecoder, PatchRecord, decode_record, read_header
+from __future__ import annotations
 
-__all__ = [
-    "FORMAT_VERSION",
-    "ChunkHistory",
-    "CodecParams",
-    "EncodedPart",
-    "EncodedPatch",
-    "PatchHistory",
-    "StepHistory",
-    "PatchDecoder",
-    "PatchHeader",
-    "PatchRecord",
-    "RecordHeader",
-    "RecordKind",
-    "ValueCoding",
-    "UndoLog",
-    "apply_parts",
-    "apply_patch",
-    "apply_record",
-    "decode_record",
-    "encode",
-    "encode_part",
-    "encode_patch",
-    "read_header",
-]
+from typing import TYPE_CHECKING
+
+import lazy_loader
+
+# Submodules load on first use: the settings (`config` modules) import without torch, numba or aiobotocore.
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "apply": ["UndoLog", "apply_parts", "apply_patch", "apply_record"],
+        "encoder": ["EncodedPart", "EncodedPatch", "encode", "encode_part", "encode_patch"],
+        "format": ["FORMAT_VERSION", "PatchHeader", "RecordHeader", "RecordKind", "ValueCoding"],
+        "history": ["ChunkHistory", "PatchHistory", "StepHistory"],
+        "params": ["CodecParams"],
+        "parse": ["PatchDecoder", "PatchRecord", "decode_record", "read_header"],
+    },
+)
+
+if TYPE_CHECKING:
+    from pulsesync.codec.apply import (
+        UndoLog as UndoLog,
+    )
+    from pulsesync.codec.apply import (
+        apply_parts as apply_parts,
+    )
+    from pulsesync.codec.apply import (
+        apply_patch as apply_patch,
+    )
+    from pulsesync.codec.apply import (
+        apply_record as apply_record,
+    )
+    from pulsesync.codec.encoder import (
+        EncodedPart as EncodedPart,
+    )
+    from pulsesync.codec.encoder import (
+        EncodedPatch as EncodedPatch,
+    )
+    from pulsesync.codec.encoder import (
+        encode as encode,
+    )
+    from pulsesync.codec.encoder import (
+        encode_part as encode_part,
+    )
+    from pulsesync.codec.encoder import (
+        encode_patch as encode_patch,
+    )
+    from pulsesync.codec.format import (
+        FORMAT_VERSION as FORMAT_VERSION,
+    )
+    from pulsesync.codec.format import (
+        PatchHeader as PatchHeader,
+    )
+    from pulsesync.codec.format import (
+        RecordHeader as RecordHeader,
+    )
+    from pulsesync.codec.format import (
+        RecordKind as RecordKind,
+    )
+    from pulsesync.codec.format import (
+        ValueCoding as ValueCoding,
+    )
+    from pulsesync.codec.history import (
+        ChunkHistory as ChunkHistory,
+    )
+    from pulsesync.codec.history import (
+        PatchHistory as PatchHistory,
+    )
+    from pulsesync.codec.history import (
+        StepHistory as StepHistory,
+    )
+    from pulsesync.codec.params import CodecParams as CodecParams
+    from pulsesync.codec.parse import (
+        PatchDecoder as PatchDecoder,
+    )
+    from pulsesync.codec.parse import (
+        PatchRecord as PatchRecord,
+    )
+    from pulsesync.codec.parse import (
+        decode_record as decode_record,
+    )
+    from pulsesync.codec.parse import (
+        read_header as read_header,
+    )

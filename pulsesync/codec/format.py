@@ -20,7 +20,7 @@ from typing import NamedTuple
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pulsesync.digest import DigestAlgorithm
+from pulsesync.digest_algorithms import DigestAlgorithm
 from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
 

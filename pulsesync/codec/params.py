@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pulsesync.codec.format import ValueCoding
-from pulsesync.digest import DEFAULT_ALGORITHM, DigestAlgorithm
+from pulsesync.digest_algorithms import DEFAULT_ALGORITHM, DigestAlgorithm
+
+if TYPE_CHECKING:
+    from pulsesync.codec.format import ValueCoding
 
 ValueCodingName = Literal["adaptive", "delta", "raw", "xor"]
 
@@ -59,4 +61,6 @@ class CodecParams(BaseModel):
     @property
     def coding(self) -> ValueCoding:
         """The fixed value coding as its wire enum (adaptive under format 1: DELTA)."""
+        from pulsesync.codec.format import ValueCoding  # the format's module loads torch: not for settings alone
+
         return ValueCoding.DELTA if self.value_coding == "adaptive" else ValueCoding[self.value_coding.upper()]

@@ -8,9 +8,28 @@ markers; `resume` rebuilds the baseline; `host_copy` takes the trainer's state a
 is what a step did; `sources` and `checkpoints` feed it from a process beside a trainer.
 """
 
-from pulsesync.publisher.config import PublisherConfig, WatchConfig
-from pulsesync.publisher.host_copy import FileSource, HostCopy
-from pulsesync.publisher.pipeline import AsyncPublisher, Publisher
-from pulsesync.publisher.report import StepReport
+from __future__ import annotations
 
-__all__ = ["AsyncPublisher", "FileSource", "HostCopy", "Publisher", "PublisherConfig", "StepReport", "WatchConfig"]
+from typing import TYPE_CHECKING
+
+import lazy_loader
+
+# Submodules load on first use: the settings (`config` modules) import without torch, numba or aiobotocore.
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "config": ["PublisherConfig", "WatchConfig"],
+        "host_copy": ["FileSource", "HostCopy"],
+        "pipeline": ["AsyncPublisher", "Publisher"],
+        "report": ["StepReport"],
+    },
+)
+
+if TYPE_CHECKING:
+    from pulsesync.publisher.config import PublisherConfig as PublisherConfig
+    from pulsesync.publisher.config import WatchConfig as WatchConfig
+    from pulsesync.publisher.host_copy import FileSource as FileSource
+    from pulsesync.publisher.host_copy import HostCopy as HostCopy
+    from pulsesync.publisher.pipeline import AsyncPublisher as AsyncPublisher
+    from pulsesync.publisher.pipeline import Publisher as Publisher
+    from pulsesync.publisher.report import StepReport as StepReport

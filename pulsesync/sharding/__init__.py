@@ -4,6 +4,36 @@
 publisher that uses them is `pulsesync.publisher.sharded`.
 """
 
-from pulsesync.sharding.layout import Assembly, Ownership, Piece, Rows, local_pieces, validate
+from __future__ import annotations
 
-__all__ = ["Assembly", "Ownership", "Piece", "Rows", "local_pieces", "validate"]
+from typing import TYPE_CHECKING
+
+import lazy_loader
+
+# Submodules load on first use: the settings (`config` modules) import without torch, numba or aiobotocore.
+__getattr__, __dir__, __all__ = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "layout": ["Assembly", "Ownership", "Piece", "Rows", "local_pieces", "validate"],
+    },
+)
+
+if TYPE_CHECKING:
+    from pulsesync.sharding.layout import (
+        Assembly as Assembly,
+    )
+    from pulsesync.sharding.layout import (
+        Ownership as Ownership,
+    )
+    from pulsesync.sharding.layout import (
+        Piece as Piece,
+    )
+    from pulsesync.sharding.layout import (
+        Rows as Rows,
+    )
+    from pulsesync.sharding.layout import (
+        local_pieces as local_pieces,
+    )
+    from pulsesync.sharding.layout import (
+        validate as validate,
+    )

@@ -1,43 +1,60 @@
 """Sinks: where a subscriber delivers verified states (directory, command, SGLang, vLLM; modules via Subscriber).
 
-Each sink's settings live beside it; `SinkConfig` is the union a subscriber config lists.
+The sinks' settings live in `config` (`SinkConfig`: the union a subscriber config lists), read without loading a sink.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING
 
-from pydantic import Field
+import lazy_loader
 
-from pulsesync.sinks.base import Sink, Update
-from pulsesync.sinks.command import CommandSink, CommandSinkConfig
-from pulsesync.sinks.directory import DirectorySink, DirectorySinkConfig
-from pulsesync.sinks.sglang import SGLangSink, SGLangSinkConfig
-from pulsesync.sinks.vllm import VLLMSink, VLLMSinkConfig
+from pulsesync.sinks.config import (
+    CommandSinkConfig,
+    DirectorySinkConfig,
+    SGLangSinkConfig,
+    SinkConfig,
+    VLLMSinkConfig,
+)
 
+if TYPE_CHECKING:
+    from pulsesync.sinks.base import Sink as Sink
+    from pulsesync.sinks.base import Update as Update
+    from pulsesync.sinks.command import CommandSink as CommandSink
+    from pulsesync.sinks.directory import DirectorySink as DirectorySink
+    from pulsesync.sinks.sglang import SGLangSink as SGLangSink
+    from pulsesync.sinks.vllm import VLLMSink as VLLMSink
+
+# The sinks load on first use: a subscriber config reads its `sinks:` without torch.
+__getattr__, __dir__, _lazy = lazy_loader.attach(
+    __name__,
+    submod_attrs={
+        "base": ["Sink", "Update"],
+        "command": ["CommandSink"],
+        "directory": ["DirectorySink"],
+        "sglang": ["SGLangSink"],
+        "vllm": ["VLLMSink"],
+    },
+)
 __all__ = [
-    "CommandSink",
+    *_lazy,
     "CommandSinkConfig",
-    "DirectorySink",
     "DirectorySinkConfig",
-    "SGLangSink",
     "SGLangSinkConfig",
-    "Sink",
     "SinkConfig",
-    "Update",
-    "VLLMSink",
     "VLLMSinkConfig",
     "build_sinks",
-]
-
-SinkConfig = Annotated[
-    DirectorySinkConfig | CommandSinkConfig | SGLangSinkConfig | VLLMSinkConfig, Field(discriminator="type")
 ]
 
 
 def build_sinks(configs: list[SinkConfig]) -> list[Sink]:
     """Sinks for configs: directory sinks first (the others may read what they write), then in config order."""
+    from pulsesync.sinks.command import CommandSink
+    from pulsesync.sinks.directory import DirectorySink
+    from pulsesync.sinks.sglang import SGLangSink
+    from pulsesync.sinks.vllm import VLLMSink
+
     sinks: list[Sink] = []
 
     def pinned() -> set[Path]:

@@ -8,23 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from pulsesync.deadlines import within
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
-
-
-class CommandSinkConfig(BaseModel):
-    """Run a command after each update, with PULSESYNC_STEP and PULSESYNC_DIR in its environment."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["command"] = "command"
-    argv: list[str] = Field(min_length=1, description="the command and its arguments (no shell)")
-    timeout_seconds: float = Field(600.0, gt=0, description="kill the command after this long")
+from pulsesync.sinks.config import CommandSinkConfig
 
 
 class CommandSink(Sink):

@@ -14,26 +14,12 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from pulsesync.atomic_files import publish_dir, replace_symlink
 from pulsesync.model_dir import write_model_dir
 from pulsesync.sinks.base import Sink, Update
+from pulsesync.sinks.config import DirectorySinkConfig
 from pulsesync.threads import in_thread_to_completion
-
-
-class DirectorySinkConfig(BaseModel):
-    """An HF-layout directory per verified step under out_dir, with an atomically swapped `current` link."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["directory"] = "directory"
-    out_dir: Path = Field(description="where step-<N>/ directories and the `current` symlink live")
-    keep: int = Field(2, ge=1, description="step directories kept (the newest; older ones are removed)")
-    shard_size: int = Field(5 * 10**9, ge=1 << 16, description="largest safetensors shard in bytes")
-
 
 CURRENT = "current"
 RECORD = "pulsesync.json"  # {"step": N, "digest": ROOT}: what the directory holds

@@ -14,27 +14,12 @@ mode only: `in_place` keeps requests whose cache blocks the flush (docs/engines.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
+from pulsesync.sinks.config import SGLangSinkConfig
 from pulsesync.sinks.http import EngineClient, paused
-
-
-class SGLangSinkConfig(BaseModel):
-    """Tell an SGLang server to load each step's directory: pause, update_weights_from_disk, continue."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["sglang"] = "sglang"
-    url: str = Field(description="the SGLang server, e.g. http://127.0.0.1:30000")
-    pause_mode: Literal["retract", "abort"] = Field(
-        "retract", description="how generation pauses (in_place would keep caches the flush cannot clear)"
-    )
-    api_key: str | None = Field(None, description="bearer token, for a server started with --api-key/--admin-api-key")
-    timeout_seconds: float = Field(600.0, gt=0, description="per request")
 
 
 def weight_version(update: Update) -> str:

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import save_file
 
 from pulsesync.atomic_files import replace_with
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
+from pulsesync.sinks.config import VLLMSinkConfig
 from pulsesync.sinks.http import EngineClient, paused, reply_field
 from pulsesync.sinks.vllm_worker import PulseSyncWorkerExtension
 from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
@@ -43,26 +43,6 @@ class SentUpdate(NamedTuple):
     base: str | None
     nbytes: int
     workers: list[dict[str, Any]]  # pulsesync_apply's results: received_bytes, kept_bytes, seconds, ...
-
-
-class VLLMSinkConfig(BaseModel):
-    """Apply each verified state to a vLLM server through pulsesync's worker extension (collective_rpc)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["vllm"] = "vllm"
-    url: str = Field(description="the vLLM server, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1)")
-    update_dir: Path = Field(description="where update files are written; the vLLM workers must read this path")
-    pause_mode: Literal["wait", "abort", "keep"] = Field(
-        "wait", description="POST /pause mode: drain running requests, abort them, or freeze them (recomputed after)"
-    )
-    api_key: str | None = Field(None, description="bearer token, for a server started with --api-key")
-    timeout_seconds: float = Field(600.0, gt=0, description="per request")
-
-    @field_validator("update_dir")
-    @classmethod
-    def _absolute(cls, v: Path) -> Path:
-        return v.expanduser().resolve()  # the engine resolves paths from its own working directory
 
 
 class HeldPolicy(NamedTuple):

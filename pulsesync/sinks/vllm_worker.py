@@ -28,7 +28,8 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from pulsesync.digest import DEFAULT_ALGORITHM, DigestAlgorithm, state_digest
+from pulsesync.digest import state_digest
+from pulsesync.digest_algorithms import DEFAULT_ALGORITHM, DigestAlgorithm
 from pulsesync.errors import EngineError
 from pulsesync.sinks.vllm_layout import EngineLayout, ModelParams, Slot, UnknownLayout, engine_layout, live_params
 from pulsesync.sinks.weight_update import WeightUpdate
