@@ -288,6 +288,8 @@ def test_shell_commands_run_as_written(machine: Machine, scenario: str) -> None:
             assert served[0].is_dir() and any(served[0].iterdir()), f"{command}: nothing served\n{out}"
         if command.startswith("pulsesync inspect") and "--html" not in command:
             assert " ok" in out and " BAD" not in out, out
+        if "--dry-run" in command:
+            assert "would have: " in out, out
         if command.startswith("pulsesync verify"):
             assert '"step": 120' in out, out
 
