@@ -408,3 +408,27 @@ def test_warm_up_compiles_the_batch_kernel_for_the_arrays_a_patch_gives_it() -> 
 
     done = subprocess.run([sys.executable, "-c", _WARM_UP_THEN_APPLY], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["1"]
+
+
+def _moved(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Flat positions where two tensors' bits differ."""
+    return torch.nonzero(a.view(torch.int16).flatten() != b.view(torch.int16).flatten()).flatten()
+
+
+def test_changes_of_a_chain_are_every_position_its_patches_wrote_once_each_ascending() -> None:
+    """`Changes.of` the undo logs of two patches: each tensor's positions merged, none twice; an added tensor whole."""
+    from pulsesync.codec import Changes, UndoLog
+    from tests.support.helpers import trainer_states
+
+    first, second, third = trainer_states(3)
+    third = {**third, "added.weight": torch.ones(4, 4, dtype=torch.bfloat16)}
+    work, logs = clone_state(first), [UndoLog(), UndoLog()]
+    apply_patch(work, encode_patch(first, second), undo=logs[0])
+    apply_patch(work, encode_patch(second, third), undo=logs[1])
+    changes = Changes.of(logs)
+    assert changes is not None and Changes.of([]) is None
+    assert changes.positions["added.weight"] is None
+    for name, before in first.items():
+        expected = torch.unique(torch.cat([_moved(before, second[name]), _moved(second[name], third[name])]))
+        got = changes.positions.get(name)
+        assert torch.equal(got, expected) if got is not None else expected.numel() == 0, name

@@ -15,6 +15,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(
     __name__,
     submod_attrs={
         "apply": ["UndoLog", "apply_parts", "apply_patch", "apply_record"],
+        "changes": ["Changes"],
         "encoder": ["EncodedPart", "EncodedPatch", "encode", "encode_part", "encode_patch"],
         "format": ["FORMAT_VERSION", "PatchHeader", "RecordHeader", "RecordKind", "ValueCoding"],
         "history": ["ChunkHistory", "PatchHistory", "StepHistory"],
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from pulsesync.codec.apply import (
         apply_record as apply_record,
     )
+    from pulsesync.codec.changes import Changes as Changes
     from pulsesync.codec.encoder import (
         EncodedPart as EncodedPart,
     )

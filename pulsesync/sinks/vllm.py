@@ -114,9 +114,8 @@ class VLLMSink(Sink):
             base = update.previous_digest if held is not None and update.previous_digest is not None else None
             if base is not None and base.root != held:
                 base = None  # the engine holds neither this state nor the previous one: send everything
-            weights = build_update(
-                update.step, update.state, update.digest, base, update.changes if base else None, skip
-            )
+            changed = update.changes.positions if base is not None and update.changes is not None else None
+            weights = build_update(update.step, update.state, update.digest, base, changed, skip)
             regions = [self._regions(layout, rank, update) for rank, layout in enumerate(layouts)]
             cut = base is not None and any(regions)  # a full update is sharded by vLLM's loader on each worker
             parts = [weights.for_rank(r, g) for r, g in enumerate(regions)] if cut else [weights]

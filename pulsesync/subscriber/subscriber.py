@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
 
 from pulsesync import metrics, mixsum, state_cache
-from pulsesync.codec import StepHistory, fused
+from pulsesync.codec import Changes, StepHistory, fused
 from pulsesync.deadlines import within
 from pulsesync.digest import StateDigest
 from pulsesync.errors import (
@@ -281,8 +281,9 @@ class Subscriber:
 
     async def _activate(self, staged: Staged, persist: bool = True) -> None:
         """Hand a verified state to every sink, then serve it; a sink failure keeps the old state served."""
+        changes = Changes.of(staged.undo)  # positions read from the logs only if a sink asks (a sparse update)
         update = Update(
-            staged.step, staged.state, staged.digest, staged.files, previous_digest=self.digest, undo=list(staged.undo)
+            staged.step, staged.state, staged.digest, staged.files, previous_digest=self.digest, changes=changes
         )
         in_place = self.held.served is not None and staged.state is self.held.served.state
         try:
