@@ -319,14 +319,10 @@ async def _check(url):
     assert rebuilt.digest.root == state_digest(model.state_dict()).root, "the store does not hold the trained state"
     print("published and equal:", rebuilt.step)
 """
-PRELUDES = {
-    "README.md": TINY_MODEL + "steps = 3\n",
-    "docs/publisher.md": TINY_MODEL + "num_steps = 3\nimport os\nos.makedirs('ckpt', exist_ok=True)\n"
-    "open('ckpt/config.json', 'w').write('{}')\n",
-}
-POSTLUDES = {
-    "README.md": CHECK_PUBLISHED + "asyncio.run(_check('s3://{slug}-bucket/run1'))\n",
-    "docs/publisher.md": CHECK_PUBLISHED + "asyncio.run(_check('s3://{slug}-bucket/run1'))\n",
+PUBLISHER_SNIPPETS = {  # the block, and what it leaves to the user
+    ("README.md", "from pulsesync.publisher import Publisher, PublisherConfig"): TINY_MODEL + "steps = 3\n",
+    ("docs/publisher.md", "from pulsesync.publisher.config import PublisherConfig"): TINY_MODEL
+    + "num_steps = 3\nimport os\nos.makedirs('ckpt', exist_ok=True)\nopen('ckpt/config.json', 'w').write('{}')\n",
 }
 
 
@@ -347,18 +343,12 @@ def _async_body(snippet: str) -> str:
 
 
 @pytest.mark.integration
-def test_readme_publisher_snippet(machine: Machine) -> None:
-    snippet = machine.fill(block("README.md", "from pulsesync.publisher import Publisher").text)
-    out = _run_python(machine, PRELUDES["README.md"] + snippet + POSTLUDES["README.md"].format(slug=machine.slug))
-    assert "published and equal: 2" in out
-
-
-@pytest.mark.integration
-def test_publisher_doc_snippet(machine: Machine) -> None:
-    snippet = machine.fill(block("docs/publisher.md", "from pulsesync.publisher.config import").text)
-    post = POSTLUDES["docs/publisher.md"].format(slug=machine.slug).replace("bucket/run1", "bucket/run1")
-    out = _run_python(machine, PRELUDES["docs/publisher.md"] + snippet + post)
-    assert "published and equal: 2" in out
+@pytest.mark.parametrize("where", list(PUBLISHER_SNIPPETS), ids=lambda where: where[0])
+def test_publisher_snippets(machine: Machine, where: tuple[str, str]) -> None:
+    """README's and docs/publisher.md's in-process publisher: the store then holds the trained state."""
+    snippet = machine.fill(block(*where).text)
+    check = CHECK_PUBLISHED + f"asyncio.run(_check('s3://{machine.slug}-bucket/run1'))\n"
+    assert "published and equal: 2" in _run_python(machine, PUBLISHER_SNIPPETS[where] + snippet + check)
 
 
 @pytest.mark.integration
