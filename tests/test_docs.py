@@ -226,11 +226,12 @@ def machine(moto_endpoint: str, tmp_path: Path, request: pytest.FixtureRequest) 
     world = Machine(tmp_path, env, moto_endpoint, slug)
     for name in ("bucket", "pulsesync"):
         world.bucket(name)
-    from tests.support.helpers import trainer_states, write_checkpoint
+    from tests.support.helpers import settled, trainer_states, write_checkpoint
 
     states = trainer_states(len(STEPS))
     for step, state in zip(STEPS, states, strict=True):
         write_checkpoint(Path(world.fill(f"/ckpts/checkpoint-{step}")), state, {"config.json": "{}"})
+        settled(Path(world.fill(f"/ckpts/checkpoint-{step}")))  # a trainer's checkpoints, written earlier
     (tmp_path / "configs").mkdir()
     for config in (ROOT / "configs").glob("*.yaml"):
         (tmp_path / "configs" / config.name).write_text(world.fill(config.read_text()))

@@ -12,6 +12,8 @@ import aiohttp
 import torch
 from safetensors.torch import save_file
 
+from tests.support.helpers import settled
+
 TINY_LLAMA = {
     "vocab_size": 1024,
     "hidden_size": 256,
@@ -59,6 +61,7 @@ def train(root: Path, config: dict[str, Any] = TINY_LLAMA, steps: int = STEPS) -
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             (ckpt / name).write_bytes((root / "launch" / name).read_bytes())
         save_file(state, str(ckpt / "model.safetensors"))
+        settled(ckpt)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
