@@ -95,7 +95,9 @@ class _StepLines(logging.Handler):
     """Each published object set's line on stdout as it happens (not once more on stderr)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if sys.stderr.isatty():  # progress bars may be on the screen: print above them
+        from pulsesync import progress
+
+        if progress.showing_bars():  # print above the bars
             from tqdm import tqdm
 
             tqdm.write(record.getMessage(), file=sys.stdout)

@@ -30,6 +30,11 @@ def show_bars(stream: TextIO | None) -> None:
     _terminal = stream
 
 
+def showing_bars() -> bool:
+    """Whether phases are drawn as bars (what else prints to the terminal then goes above them)."""
+    return _terminal is not None
+
+
 @dataclass(frozen=True)
 class TransferProgress:
     """A snapshot of one transfer."""
@@ -38,16 +43,6 @@ class TransferProgress:
     done: int
     total: int
     elapsed: float
-
-    @property
-    def rate(self) -> float:
-        """Bytes per second so far."""
-        return self.done / self.elapsed if self.elapsed > 0 else 0.0
-
-    @property
-    def eta(self) -> float | None:
-        """Seconds left at the current rate, or None if unknown."""
-        return (self.total - self.done) / self.rate if self.rate > 0 else None
 
 
 ProgressCallback = Callable[[TransferProgress], None]
