@@ -11,6 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zstandard
 
 from pulsesync.codec import (
@@ -30,7 +31,7 @@ from pulsesync.codec.format import (
     RecordHeader,
     ValueCoding,
     encode_header,
-    encode_record_header,
+    encode_index,
     payload_hash,
     raw_len_for,
 )
@@ -125,10 +126,11 @@ def test_a_patch_cut_short_after_its_first_runs_were_applied_is_rolled_back_exac
     rng = np.random.default_rng(3)
     base = {f"layer{i}": random_bits(rng, BF16, (4096,)) for i in range(16)}
     patch = encode_patch(base, {n: mutate(rng, t, 0.05) for n, t in base.items()}, CodecParams(chunk_elements=1024))
-    header, records = patch_records(patch)
-    ends = len(encode_header(header)) + np.cumsum([len(encode_record_header(h)) + len(p) for h, p in records])
+    _, records = patch_records(patch)
+    sizes = [len(p) for _, p in records]
+    ends = len(patch) - sum(sizes) + np.cumsum(sizes)  # where each record's payload ends
     written_before_error = 0
-    for cut in [*ends[-8:], len(patch) - 1]:  # after a whole record (the end record missing), or inside the end
+    for cut in [*ends[-8:-1], len(patch) - 1]:  # after a whole record, or inside the last
         work, undo = clone_state(base), UndoLog()
         with pytest.raises(CorruptPatchError, match="truncated"):
             apply_patch(work, patch[:cut], threads=threads, undo=undo)
@@ -168,8 +170,8 @@ def test_version_and_magic(pair, patch) -> None:
     base, _ = pair
     _expect(CorruptPatchError, base, b"NOTAPATCH" + patch[9:], "magic")
     bumped = bytearray(patch)
-    bumped[8] = 4  # format version u16 at offset 8; the header checksum is checked after the version
-    _expect(UnsupportedVersionError, base, bytes(bumped), "version 4")
+    bumped[8] = 5  # format version u16 at offset 8; the header checksum is checked after the version
+    _expect(UnsupportedVersionError, base, bytes(bumped), "version 5")
 
 
 def test_trailing_bytes(pair, patch) -> None:
@@ -241,13 +243,44 @@ def test_max_decoded_bytes_limit(pair, patch) -> None:
 def test_record_count_and_order_lies(pair, patch) -> None:
     base, _ = pair
     header, records = patch_records(patch)
-    _expect(CorruptPatchError, base, assemble_patch(header, records, end_count=len(records) + 1), "end record counts")
-    _expect(CorruptPatchError, base, assemble_patch(header, records[:-1]), "end record counts")
+    _expect(CorruptPatchError, base, assemble_patch(header, records[:-1]), "record index ends inside entry")
+    more = header.model_copy(update={"records": header.records - 1})
+    _expect(CorruptPatchError, base, assemble_patch(more, records), "bytes after its")
+    inline = header.model_copy(update=dict.fromkeys(("index_bytes", "index_hash", "index_raw_bytes")))  # format 3
+    _expect(CorruptPatchError, base, assemble_patch(inline, records, end_count=len(records) + 1), "end record counts")
+    _expect(CorruptPatchError, base, assemble_patch(inline, records[:-1]), "end record counts")
     swapped = [records[1], records[0], *records[2:]]
     _expect(CorruptPatchError, base, assemble_patch(header, swapped), "out of order")
     duplicated = [records[0], *records]
     more = header.model_copy(update={"records": header.records + 1, "decoded_bytes": 2 * header.decoded_bytes})
     _expect(CorruptPatchError, base, assemble_patch(more, duplicated), "out of order")
+
+
+def test_a_record_index_that_lies_is_refused(pair, patch) -> None:
+    """Format 4's index: every size is checked against the header before anything is allocated."""
+    base, _ = pair
+    header, records = patch_records(patch)
+    payloads = b"".join(p for _, p in records)
+    raw = encode_index([h for h, _ in records])
+
+    def indexed(index: bytes, raw_bytes: int, version: int = 4, **fields: int) -> bytes:
+        sized = {"index_bytes": len(index), "index_hash": xxhash.xxh3_64_intdigest(index), "index_raw_bytes": raw_bytes}
+        return encode_header(header.model_copy(update=sized | fields), version) + index + payloads
+
+    compressed = zstandard.ZstdCompressor().compress(raw)
+    assert apply_patch(clone_state(base), indexed(compressed, len(raw)))  # the honest index applies
+    _expect(CorruptPatchError, base, indexed(compressed, len(raw) + 1), "frame declares")
+    _expect(CorruptPatchError, base, indexed(raw, len(raw)), "does not decompress")
+    _expect(CorruptPatchError, base, indexed(compressed, len(raw), records=0), "record index of")
+    _expect(CorruptPatchError, base, indexed(compressed, len(raw), version=3), "do not fit format 3")
+    bumped = bytearray(indexed(compressed, len(raw)))
+    bumped[len(bumped) - len(payloads) - len(compressed)] ^= 1  # the index's first byte
+    _expect(CorruptPatchError, base, bytes(bumped), "index checksum")
+    end = RecordHeader(RecordKind.END, "", None, count=len(records))
+    ended = zstandard.ZstdCompressor().compress(raw + encode_index([end]))
+    more = header.records + 1
+    lied = indexed(ended, len(raw) + len(encode_index([end])), records=more)
+    _expect(CorruptPatchError, base, lied, "unknown record kind 0")
 
 
 def _one_record_patch(

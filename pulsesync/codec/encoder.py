@@ -19,13 +19,13 @@ from pulsesync import mixsum
 from pulsesync.codec import bits
 from pulsesync.codec.format import (
     CLASSES,
+    INDEXED,
     PatchHeader,
     PositionCoding,
     RecordHeader,
     RecordKind,
     ValueCoding,
-    encode_header,
-    encode_record_header,
+    assemble,
     payload_hash,
     raw_len_for,
 )
@@ -40,18 +40,28 @@ from pulsesync.threads import parallel_map
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A per-thread compressor (zstandard compressors are not thread-safe)."""
+def _compressor(params: CodecParams) -> zstandard.ZstdCompressor:
+    """A per-thread compressor (zstandard compressors are not thread-safe).
+
+    Frames carry a content checksum up to format 3; from format 4 on the record's payload hash,
+    checked before decompressing, is the only one (the checksum cost 4 bytes a record).
+    """
+    key = (params.zstd_level, _checksummed(params))
     cached = getattr(_local, "compressor", None)
-    if cached is None or cached[0] != level:
-        cached = (level, zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True))
-        _local.compressor = cached
+    if cached is None or cached[0] != key:
+        compressor = zstandard.ZstdCompressor(level=key[0], write_checksum=key[1], write_content_size=True)
+        cached = _local.compressor = (key, compressor)
     return cached[1]
+
+
+def _checksummed(params: CodecParams) -> bool:
+    return params.format_version < INDEXED
 
 
 @dataclass(frozen=True)
 class _Record:
-    data: bytes
+    head: RecordHeader
+    payload: bytes
     changed: int
     raw_len: int
     history: tuple[ChunkKey, ChunkHistory] | None = None
@@ -83,7 +93,7 @@ def _compress(params: CodecParams, parts: list[bytes]) -> tuple[bytes, list[int]
     raw_len = sum(map(len, parts))
     if not raw_len:
         return b"", [0] * len(parts)
-    stream = _compressor(params.zstd_level).compressobj(size=raw_len)
+    stream = _compressor(params).compressobj(size=raw_len)
     out: list[bytes] = []
     sizes: list[int] = []
     for part in parts:
@@ -119,9 +129,6 @@ class _Section:
         return self.measured
 
 
-FRAME_TRAILER = 4  # a zstd frame's checksum
-
-
 def _measure(params: CodecParams, sections: list[_Section]) -> None:
     """Measure the sections not yet measured: every part compressed in one call, each as a frame of its own.
 
@@ -132,12 +139,13 @@ def _measure(params: CodecParams, sections: list[_Section]) -> None:
     """
     todo = [section for section in sections if section.measured is None]
     parts: list[bytes | bytearray | memoryview] = [part for section in todo for part in section.parts if part]
-    frames = iter(_compressor(params.zstd_level).multi_compress_to_buffer(parts) if parts else [])
+    frames = iter(_compressor(params).multi_compress_to_buffer(parts) if parts else [])
+    trailer = 4 if _checksummed(params) else 0  # a zstd frame's checksum
     for section in todo:
         own = [next(frames).tobytes() for part in section.parts if part]
         headers = [zstandard.frame_header_size(frame) for frame in own]
-        blocks = sum(len(frame) - header - FRAME_TRAILER for frame, header in zip(own, headers, strict=True))
-        section.measured = blocks + headers[0] + FRAME_TRAILER if own else 0
+        blocks = sum(len(frame) - header - trailer for frame, header in zip(own, headers, strict=True))
+        section.measured = blocks + headers[0] + trailer if own else 0
 
 
 def _section(params: CodecParams, role: str, parts: list[bytes], **fields: Any) -> _Section:
@@ -165,7 +173,6 @@ def _record(
     raw_len = sum(map(len, parts))
     head = RecordHeader(**fields, raw_len=raw_len, comp_len=len(payload), payload_hash=payload_hash(payload))
     assert raw_len == raw_len_for(head)
-    data = encode_record_header(head, params.format_version) + payload
     coding = f"{head.kind.name}/{head.coding.name}"
     if params.format_version >= 2 and head.kind in (RecordKind.SPARSE, RecordKind.HISTORY):
         coding += f"/{head.positions.name}"
@@ -173,8 +180,8 @@ def _record(
     sizes = iter(part_sizes)
     for section in sections:
         wire[section.role] += sum(next(sizes) for _ in section.parts)
-    wire["framing"] = len(data) - sum(wire.values())
-    return _Record(data, head.count, raw_len, history, coding, wire, digest_change)
+    wire["framing"] = len(payload) - sum(wire.values())  # the zstd frame's own bytes
+    return _Record(head, payload, head.count, raw_len, history, coding, wire, digest_change)
 
 
 def _chunk_fields(chunk: _Chunk, kind: RecordKind, length: int, count: int) -> dict[str, Any]:
@@ -578,7 +585,7 @@ def encode(
     whole: list[str] = []  # tensors added or replaced: an incremental digest hashes them whole
     for name in sorted(set(base) | set(new)):
         if name not in new:
-            tasks.append(partial(_removal, params, name))
+            tasks.append(partial(_removal, name))
         elif name not in base:
             tasks.append(partial(_encode_whole, params, RecordKind.ADD, name, new[name]))
             whole.append(name)
@@ -690,19 +697,19 @@ def _assemble(
         dense_bytes=total_dense_bytes,
         **header_fields,
     )
-    end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=len(records)), version)
-    data = b"".join([encode_header(header, version), *(r.data for r in records), end])
+    data = assemble(header, [(r.head, r.payload) for r in records], version)
     codings = dict(sorted(Counter(r.coding for r in records if r.coding).items()))
-    wire = {"positions": 0, "values": 0, "framing": len(data) - sum(len(r.data) for r in records)}  # header, end
+    wire = {"positions": 0, "values": 0}
     for r in records:
         for role, size in r.wire.items():
-            wire[role] += size
+            if role != "framing":
+                wire[role] += size
+    wire["framing"] = len(data) - wire["positions"] - wire["values"]  # headers or index, zstd frames
     return data, codings, wire
 
 
-def _removal(params: CodecParams, name: str) -> _Record:
-    data = encode_record_header(RecordHeader(RecordKind.REMOVE, name, None), params.format_version)
-    return _Record(data, 0, 0, wire=Counter(framing=len(data)))
+def _removal(name: str) -> _Record:
+    return _Record(RecordHeader(RecordKind.REMOVE, name, None), b"", 0, 0)
 
 
 def _strided_tasks(

@@ -1,12 +1,21 @@
 """Binary layout of a patch (pure; no I/O). See docs/patch-format.md.
 
-    patch    = preamble header_json header_checksum record* end_record
+    patch    = preamble header_json header_checksum index payload*          (version 4)
+    patch    = preamble header_json header_checksum record* end_record      (versions 1-3)
     preamble = MAGIC(8) version:u16 flags:u16 header_len:u32
-    record   = fixed name shape checksum:u32 payload(comp_len bytes: one zstd frame, or empty)
+    index    = one zstd frame of every record's entry (fixed name shape), in record order
+    record   = magic fixed name shape checksum:u32 payload
+    payload  = comp_len bytes: one zstd frame, or empty
 
-All integers little-endian. The patch header carries an xxh3-64 checksum, each record header an
-xxh32 checksum and the xxh3-64 of its compressed payload, and each payload is a zstd frame with a
-content checksum: a flipped byte anywhere is caught while parsing, before anything is written.
+All integers little-endian. The patch header carries an xxh3-64 checksum and, in version 4, the
+index's size and xxh3-64; each record's fields carry the xxh3-64 of its compressed payload (and
+in versions 1-3 an xxh32 of their own and a zstd content checksum): a flipped byte anywhere is
+caught while parsing, before anything is written.
+
+Version 4 only moves the records' fields: one compressed index instead of a header before each
+payload, which costs ~20 bytes a record instead of ~150 (names and fields compress, the magic
+and per-record checksums go) and makes a sharded publish's parts, which split every tensor into
+one record per rank, cost what an unsharded patch costs (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import struct
 from typing import NamedTuple
 
 import xxhash
+import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pulsesync.digest_algorithms import DigestAlgorithm
@@ -25,8 +35,9 @@ from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
 
 MAGIC = b"PULSEPT\x00"
-FORMAT_VERSION = 3  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
-SUPPORTED_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
+INDEXED = 4  # the first version whose record fields are in an index
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_CHECKSUM = struct.Struct("<Q")
 RECORD_MAGIC = b"PR"
@@ -36,6 +47,7 @@ RECORD_FIXED_V1 = struct.Struct("<2sBBBBHQQQQQQQQ")
 RECORD_FIXED_V2 = struct.Struct("<2sBBBBHQQQQQQQQQQB")
 RECORD_FIXED = {1: RECORD_FIXED_V1, 2: RECORD_FIXED_V2, 3: RECORD_FIXED_V2}  # version 3 adds codings, no fields
 RECORD_CHECKSUM = struct.Struct("<I")
+INDEX_ENTRY = struct.Struct("<BBBBHQQQQQQQQQQB")  # (version 4) RECORD_FIXED_V2 without the magic
 
 # Sanity limits: generous for any real model, small enough that a lying header cannot make the
 # decoder allocate or loop without bound.
@@ -43,6 +55,8 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_NAME_BYTES = 4096
 MAX_NDIM = 32
 _SHAPES = [struct.Struct(f"<{ndim}Q") for ndim in range(MAX_NDIM + 1)]  # a record's shape, by its ndim
+MAX_INDEX_ENTRY = INDEX_ENTRY.size + MAX_NAME_BYTES + 8 * MAX_NDIM
+MAX_INDEX_BYTES = 1 << 28  # a decompressed index: ~1.7M records of 150 bytes
 MAX_NUMEL = 1 << 50
 ESCAPE = 0xFFFF  # a u16 gap of this value means "the real gap is in the escape list"
 SMALL_ESCAPE = 3  # a 2-bit value code of this value means "the value is in the escape planes"
@@ -131,6 +145,19 @@ class PatchHeader(BaseModel):
     # state_digest is empty, the step's manifest holds the digest the parts compose to. Omitted
     # from the JSON when None, so every other patch reads as before.
     part: int | None = Field(None, ge=0)
+    # v4: the record index that follows the header: its compressed bytes, their xxh3-64 and its
+    # decompressed bytes. Omitted from the JSON of versions 1-3.
+    index_bytes: int | None = Field(None, ge=0)
+    index_hash: int | None = Field(None, ge=0, lt=1 << 64)
+    index_raw_bytes: int | None = Field(None, ge=0, le=MAX_INDEX_BYTES)
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the header carries a record index (version 4)."""
+        return self.index_bytes is not None
+
+
+_INDEX_FIELDS = ("index_bytes", "index_hash", "index_raw_bytes")
 
 
 class RecordHeader(NamedTuple):
@@ -174,8 +201,7 @@ class RecordHeader(NamedTuple):
 def encode_header(header: PatchHeader, version: int = FORMAT_VERSION) -> bytes:
     """Preamble, canonical JSON header and its checksum."""
     exclude = {"reference_sha256"} if version == 1 else set()
-    if header.part is None:
-        exclude.add("part")
+    exclude |= {name for name in ("part", *_INDEX_FIELDS) if getattr(header, name) is None}
     fields = header.model_dump(exclude=exclude)
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     head = PREAMBLE.pack(MAGIC, version, 0, len(body)) + body
@@ -213,6 +239,13 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int,
         raise CorruptPatchError(f"patch header is invalid: {e.errors()[0]['msg']}") from None
     if version == 1 and (header.reference_sha256 is not None or header.part is not None):
         raise CorruptPatchError("patch header is invalid: a version 1 patch names a reference or a part")
+    indexed = [getattr(header, name) is not None for name in _INDEX_FIELDS]
+    if indexed != [version >= INDEXED] * len(_INDEX_FIELDS):
+        raise CorruptPatchError(f"patch header is invalid: the record index fields do not fit format {version}")
+    if header.index_raw_bytes is not None and header.index_raw_bytes > header.records * MAX_INDEX_ENTRY:
+        raise CorruptPatchError(
+            f"patch header is invalid: a record index of {header.index_raw_bytes} bytes for {header.records} records"
+        )
     return header, total, version
 
 
@@ -252,29 +285,69 @@ def raw_len_for(h: RecordHeader) -> int:
     return 0
 
 
+def _fixed_fields(h: RecordHeader, name_bytes: bytes) -> tuple[int, ...]:
+    """A record's fixed fields after the magic, as every version from 2 on lays them out."""
+    return (
+        h.kind, h.dtype.code if h.dtype else 0, len(h.shape), h.coding, len(name_bytes), h.start, h.length, h.count,
+        h.escapes, h.value_escapes, h.raw_len, h.comp_len, h.payload_hash, h.ref_count, h.new_count, h.positions,
+    )  # fmt: skip
+
+
 def encode_record_header(h: RecordHeader, version: int = FORMAT_VERSION) -> bytes:
-    """Fixed fields, name, shape and checksum of one record."""
+    """Magic, fixed fields, name, shape and checksum of one record (versions 1-3)."""
     name_bytes = h.name.encode("utf-8")
-    extra = (h.ref_count, h.new_count, h.positions) if version >= 2 else ()
-    fixed = RECORD_FIXED[version].pack(
-        RECORD_MAGIC,
-        h.kind,
-        h.dtype.code if h.dtype else 0,
-        len(h.shape),
-        h.coding,
-        len(name_bytes),
-        h.start,
-        h.length,
-        h.count,
-        h.escapes,
-        h.value_escapes,
-        h.raw_len,
-        h.comp_len,
-        h.payload_hash,
-        *extra,
-    )
-    body = fixed + name_bytes + struct.pack(f"<{len(h.shape)}Q", *h.shape)
+    fields = _fixed_fields(h, name_bytes)
+    fixed = RECORD_FIXED[version].pack(RECORD_MAGIC, *(fields if version >= 2 else fields[:-3]))
+    body = fixed + name_bytes + _SHAPES[len(h.shape)].pack(*h.shape)
     return body + RECORD_CHECKSUM.pack(xxhash.xxh32_intdigest(body))
+
+
+def encode_index(headers: list[RecordHeader]) -> bytes:
+    """The decompressed record index of a version 4 patch: each record's fixed fields, name and shape."""
+    entries: list[bytes] = []
+    for h in headers:
+        name_bytes = h.name.encode("utf-8")
+        entries += (INDEX_ENTRY.pack(*_fixed_fields(h, name_bytes)), name_bytes, _SHAPES[len(h.shape)].pack(*h.shape))
+    return b"".join(entries)
+
+
+def assemble(
+    header: PatchHeader,
+    records: list[tuple[RecordHeader, bytes]],
+    version: int = FORMAT_VERSION,
+    end_count: int | None = None,
+) -> bytes:
+    """A patch's bytes: its header, its records' headers and compressed payloads laid out as `version` lays them
+    (4: the index's fields filled into the header; 1-3: `end_count` in the end record, the records' by default)."""
+    if version >= INDEXED:
+        raw = encode_index([h for h, _ in records])
+        index = zstandard.ZstdCompressor(level=header.zstd_level, write_checksum=False).compress(raw)
+        sized = {"index_bytes": len(index), "index_hash": xxhash.xxh3_64_intdigest(index), "index_raw_bytes": len(raw)}
+        return b"".join([encode_header(header.model_copy(update=sized), version), index, *(p for _, p in records)])
+    count = len(records) if end_count is None else end_count
+    end = encode_record_header(RecordHeader(RecordKind.END, "", None, count=count), version)
+    return b"".join([encode_header(header, version), *(encode_record_header(h, version) + p for h, p in records), end])
+
+
+def parse_index(raw: bytes, records: int) -> list[RecordHeader]:
+    """The `records` checked record headers of a decompressed version 4 index (CorruptPatchError: it holds others)."""
+    out: list[RecordHeader] = []
+    offset = 0
+    for i in range(records):
+        if len(raw) - offset < INDEX_ENTRY.size:
+            raise CorruptPatchError(f"record index ends inside entry {i} of {records}")
+        kind, dcode, ndim, coding, name_len, *sizes = INDEX_ENTRY.unpack_from(raw, offset)
+        if name_len > MAX_NAME_BYTES or ndim > MAX_NDIM:
+            raise CorruptPatchError(f"record index entry {i}: name length {name_len} or ndim {ndim} out of range")
+        name_start = offset + INDEX_ENTRY.size
+        offset = name_start + name_len + 8 * ndim
+        if offset > len(raw):
+            raise CorruptPatchError(f"record index ends inside entry {i} of {records}")
+        shape = _SHAPES[ndim].unpack_from(raw, name_start + name_len)
+        out.append(_record_header(raw[name_start : name_start + name_len], kind, dcode, coding, shape, sizes, INDEXED))
+    if offset != len(raw):
+        raise CorruptPatchError(f"record index has {len(raw) - offset} bytes after its {records} entries")
+    return out
 
 
 def payload_hash(payload: bytes | memoryview) -> int:
@@ -293,7 +366,8 @@ def parse_record_header(
     if len(buf) - offset < fixed_struct.size:
         return None
     (magic, kind, dcode, ndim, coding, name_len, *sizes) = fixed_struct.unpack_from(buf, offset)
-    position_coding = sizes.pop() if version >= 2 else PositionCoding.GAPS16
+    if version == 1:
+        sizes.append(PositionCoding.GAPS16)
     if magic != RECORD_MAGIC:
         raise CorruptPatchError(f"record at byte {offset}: bad record magic (corrupted or misaligned patch)")
     if name_len > MAX_NAME_BYTES or ndim > MAX_NDIM:
@@ -306,11 +380,21 @@ def parse_record_header(
         raise CorruptPatchError(f"record at byte {offset}: record header checksum mismatch (corrupted record)")
     # From here on the fields are what the encoder wrote; checks below catch lying encoders.
     name_start = offset + fixed_struct.size
-    try:
-        name = bytes(buf[name_start : name_start + name_len]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise CorruptPatchError(f"record at byte {offset}: tensor name is not UTF-8") from None
     shape = _SHAPES[ndim].unpack_from(buf, name_start + name_len)
+    name_bytes = bytes(buf[name_start : name_start + name_len])
+    return _record_header(name_bytes, kind, dcode, coding, shape, sizes, version), body_end + RECORD_CHECKSUM.size
+
+
+def _record_header(
+    name_bytes: bytes, kind: int, dcode: int, coding: int, shape: tuple[int, ...], sizes: list[int], version: int
+) -> RecordHeader:
+    """A record header from its fields (`sizes`: start .. payload_hash, then in version 2 on ref_count, new_count,
+    and the position coding), checked."""
+    try:
+        name = name_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptPatchError(f"record named {name_bytes[:80]!r}: tensor name is not UTF-8") from None
+    position_coding = sizes.pop()
     rkind, rcoding, rpositions = _KINDS.get(kind), _CODINGS.get(coding), _POSITION_CODINGS.get(position_coding)
     if (
         rkind is None
@@ -318,6 +402,7 @@ def parse_record_header(
         or rpositions is None
         or (version == 1 and (kind in V2_KINDS or coding in V2_CODINGS))
         or (version == 2 and (coding in CODES or position_coding == PositionCoding.CLASS_MASKS))
+        or (version >= INDEXED and rkind is RecordKind.END)
     ):
         raise CorruptPatchError(
             f"record for tensor {name!r}: unknown record kind {kind}, value coding {coding} or position coding "
@@ -333,7 +418,7 @@ def parse_record_header(
         ref_count, new_count, rpositions,
     )  # fmt: skip
     _check_record(header)
-    return header, body_end + RECORD_CHECKSUM.size
+    return header
 
 
 _NO_PAYLOAD = (RecordKind.END, RecordKind.REMOVE)

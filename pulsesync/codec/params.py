@@ -19,10 +19,10 @@ class CodecParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format_version: Literal[1, 2, 3] = Field(
-        3,
-        description="patch format to write: 3 (default); 2 for fleets with subscribers before CLASS_MASKS, "
-        "EXP_CODES and PREDICTED_CODES; 1 for fleets with subscribers before 0.2",
+    format_version: Literal[1, 2, 3, 4] = Field(
+        4,
+        description="patch format to write: 4 (default); 3 for fleets with subscribers before the record index, "
+        "2 before CLASS_MASKS, EXP_CODES and PREDICTED_CODES; 1 before 0.2",
     )
     value_coding: ValueCodingName = Field(
         "adaptive",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 import zstandard
 
 from pulsesync.codec import bits, fused
@@ -20,6 +21,7 @@ from pulsesync.codec.format import (
     CLASSES,
     CODES,
     FORMAT_VERSION,
+    INDEXED,
     V2_CODINGS,
     PatchHeader,
     PositionCoding,
@@ -27,6 +29,7 @@ from pulsesync.codec.format import (
     RecordKind,
     ValueCoding,
     parse_header,
+    parse_index,
     parse_record_header,
     payload_hash,
     positions_len,
@@ -114,15 +117,20 @@ def record_where(h: RecordHeader) -> str:
 
 def decompress_payload(h: RecordHeader, payload: bytes | memoryview) -> bytes:
     """A record's payload decompressed: exactly the raw_len bytes its header declares, or CorruptPatchError."""
+    return _decompress_exact(payload, h.raw_len, f"{record_where(h)}: payload")
+
+
+def _decompress_exact(frame: bytes | memoryview, size: int, what: str) -> bytes:
+    """One zstd frame decompressed to exactly `size` bytes, its declared size checked before anything is allocated."""
     try:
-        declared = zstandard.frame_content_size(payload)
-        if declared != h.raw_len:
-            raise CorruptPatchError(f"{record_where(h)}: zstd frame declares {declared} bytes, record {h.raw_len}")
-        raw = _decompressor().decompress(payload, max_output_size=h.raw_len)
+        declared = zstandard.frame_content_size(frame)
+        if declared != size:
+            raise CorruptPatchError(f"{what}: zstd frame declares {declared} bytes, expected {size}")
+        raw = _decompressor().decompress(frame, max_output_size=size)
     except zstandard.ZstdError as e:
-        raise CorruptPatchError(f"{record_where(h)}: payload does not decompress ({e})") from None
-    if len(raw) != h.raw_len:
-        raise CorruptPatchError(f"{record_where(h)}: payload decompressed to {len(raw)} bytes, expected {h.raw_len}")
+        raise CorruptPatchError(f"{what} does not decompress ({e})") from None
+    if len(raw) != size:
+        raise CorruptPatchError(f"{what} decompressed to {len(raw)} bytes, expected {size}")
     return raw
 
 
@@ -216,6 +224,7 @@ class PatchDecoder:
         self.version = FORMAT_VERSION  # of the patch being parsed, once its header is in
         self.done = False
         self._parsed_to = 0  # (_complete_records)
+        self._index: list[RecordHeader] | None = None  # version 4: every record's header, once the index is in
 
     def feed(self, data: bytes | memoryview) -> list[PatchRecord]:
         """Consume bytes; return the records they complete, decoded."""
@@ -275,6 +284,14 @@ class PatchDecoder:
     ) -> Iterator[tuple[RecordHeader, memoryview]]:
         """The complete records in view from offset, checked, up to the end record; then _parsed_to is where
         the bytes not parsed start."""
+        if self._index is None and self.version >= INDEXED and not self.done:
+            assert self.header is not None and self.header.index_bytes is not None
+            end = offset + self.header.index_bytes
+            if len(view) < end:
+                self._parsed_to = offset
+                return
+            self._index = self._read_index(view[offset:end])
+            offset = end
         while not self.done:
             parsed = self._next_record(view, offset, whole)
             if parsed is None:
@@ -292,17 +309,33 @@ class PatchDecoder:
         if parsed is None:
             return None
         self.header, offset, self.version = parsed
-        if self._max_decoded is not None and self.header.decoded_bytes > self._max_decoded:
-            raise CorruptPatchError(
-                f"patch declares {self.header.decoded_bytes} decoded bytes, above the limit {self._max_decoded}"
-            )
+        decoded = self.header.decoded_bytes + (self.header.index_raw_bytes or 0)
+        if self._max_decoded is not None and decoded > self._max_decoded:
+            raise CorruptPatchError(f"patch declares {decoded} decoded bytes, above the limit {self._max_decoded}")
         return offset
+
+    def _read_index(self, index: memoryview) -> list[RecordHeader]:
+        """A version 4 patch's record headers, from its index (checked against the patch header)."""
+        header = self.header
+        assert header is not None and header.index_raw_bytes is not None
+        if xxhash.xxh3_64_intdigest(index) != header.index_hash:
+            raise CorruptPatchError("patch record index checksum mismatch (corrupted index)")
+        return parse_index(_decompress_exact(index, header.index_raw_bytes, "patch record index"), header.records)
+
+    def _next_header(self, view: memoryview, offset: int) -> tuple[RecordHeader, int] | None:
+        """The next record's header and where its payload starts (None: more bytes needed); after a version 4
+        patch's last record, an end record."""
+        if self._index is None:
+            return parse_record_header(view, offset, self.version)
+        if self._records < len(self._index):
+            return self._index[self._records], offset
+        return RecordHeader(RecordKind.END, "", None, count=len(self._index)), offset
 
     def _next_record(
         self, view: memoryview, offset: int, whole: bool
     ) -> tuple[RecordHeader, memoryview | None, int] | None:
         """The checked record at offset, its payload (None: the end record), where the next starts; None: incomplete."""
-        parsed = parse_record_header(view, offset, self.version)
+        parsed = self._next_header(view, offset)
         if parsed is None:
             return None
         h, payload_start = parsed

@@ -13,8 +13,8 @@ import torch
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from pulsesync.codec import PatchDecoder, RecordKind
-from pulsesync.codec.format import PatchHeader, RecordHeader, encode_header, encode_record_header
+from pulsesync.codec import PatchDecoder
+from pulsesync.codec.format import FORMAT_VERSION, PatchHeader, RecordHeader, assemble
 from pulsesync.dtypes import DTYPES, NP_INT_OF_WIDTH, DTypeInfo
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
@@ -188,12 +188,9 @@ def patch_records(patch: bytes) -> tuple[PatchHeader, list[tuple[RecordHeader, b
 def assemble_patch(
     header: PatchHeader, records: list[tuple[RecordHeader, bytes]], end_count: int | None = None
 ) -> bytes:
-    """Re-serialize a patch from (possibly lying) fields, with correct checksums."""
-    parts = [encode_header(header)]
-    parts += [encode_record_header(h) + payload for h, payload in records]
-    count = len(records) if end_count is None else end_count
-    parts.append(encode_record_header(RecordHeader(RecordKind.END, "", None, count=count)))
-    return b"".join(parts)
+    """Re-serialize a patch from (possibly lying) fields, with correct checksums, in the format its header names
+    (`end_count`: what a format 3 patch's end record says)."""
+    return assemble(header, records, FORMAT_VERSION if header.indexed else 3, end_count)
 
 
 async def ready_kinds(chain: ChainClient) -> dict[int, set[str]]:
