@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from codec import make_steps  # the codec benchmark's workloads
 
-from pulsesync.codec import bits
+from pulsesync.codec.codings import gap_codes
 
 CHUNK = 1 << 22
 
@@ -45,7 +45,7 @@ def sizes(gaps: np.ndarray, z: zstandard.ZstdCompressor) -> dict[str, int]:
     escapes = 8 * int((gaps >= 0xFFFF).sum())
     g16 = np.minimum(gaps, 0xFFFF).astype(np.uint16)
     g8 = np.minimum(gaps, 255).astype(np.uint8)
-    codes, extra = bits.encode_gap_codes(np.cumsum(gaps + 1) - 1)
+    codes, extra = gap_codes.encode_gap_codes(np.cumsum(gaps + 1) - 1)
     return {
         "gap codes + zstd (pulsesync format 2)": len(z.compress(codes.tobytes())) + len(z.compress(extra)),
         "u16 byte planes + zstd (format 1)": len(z.compress(g16.view(np.uint8).reshape(-1, 2).T.tobytes())) + escapes,

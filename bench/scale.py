@@ -63,7 +63,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pulsesync import mixsum
-from pulsesync.codec import fused
+from pulsesync.codec import batch, jit
 from pulsesync.dtypes import dense_bytes
 from pulsesync.protocol import signing
 from pulsesync.publisher import AsyncPublisher
@@ -164,8 +164,8 @@ def _flip_low_bit(flat: np.ndarray, positions: np.ndarray) -> None:
         flat[positions[i]] ^= 1
 
 
-if fused.numba is not None:
-    _flip_low_bit = fused.numba.njit(nogil=True)(_flip_low_bit)
+if jit.numba is not None:
+    _flip_low_bit = jit.numba.njit(nogil=True)(_flip_low_bit)
 
 
 FLOOR_STEPS = 10**6  # the floor's positions: those of steps 10**6 + s, never applied
@@ -247,7 +247,7 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     """Cold start from the anchor, then follow each patch with a state cache; check the last state bit for bit."""
     key = load_pem_private_key(key_pem, None)
     assert isinstance(key, Ed25519PrivateKey)
-    fused.warm_up()  # compiled before the peak is reset: the kernels' memory is not the subscriber's
+    batch.warm_up()  # compiled before the peak is reset: the kernels' memory is not the subscriber's
     mixsum.warm_up()
     store = RecordingStore(FileStore(store_dir))
     config = SubscriberConfig(cache_dir=cache_dir, scrub_interval_seconds=None)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from contracts import Contract, enforce
 
 from pulsesync import mixsum
-from pulsesync.codec import fused
+from pulsesync.codec import batch, jit
 from pulsesync.dtypes import dense_bytes
 from pulsesync.protocol import signing
 from pulsesync.protocol.manifest import AnchorManifest
@@ -160,7 +160,7 @@ def publish(root: Path, key: Ed25519PrivateKey, trainer: SyntheticTrainer, steps
 async def measure(
     root: Path, key: Ed25519PrivateKey, states: list[dict[str, torch.Tensor]], mbps: float, rtt: float
 ) -> dict:
-    fused.warm_up()  # what Subscriber.start() loads in the background: compiled before anything is timed
+    batch.warm_up()  # what Subscriber.start() loads in the background: compiled before anything is timed
     mixsum.warm_up()
     store = ThrottledStore(root, TokenBucket(mbps * 1e6 / 8, burst=64 << 10), latency=rtt)
     trusted = signing.trusted_keys([key.public_key()])
@@ -238,13 +238,13 @@ def main() -> None:
     parser.add_argument("--numpy", action="store_true", help="without the numba kernels (as without pulsesync[fast])")
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="codec workload(s) to run")
     args = parser.parse_args()
-    fused.enabled = fused.enabled and not args.numpy
+    jit.enabled = jit.enabled and not args.numpy
     hidden = args.hidden or (768 if args.quick else 1536)
     layers = args.layers or (4 if args.quick else 8)
     # The quick run's syncs are small and noisy (fixed costs weigh more): a median of 12 steadies it.
     steps = args.steps or (12 if args.quick else 8)
     key = Ed25519PrivateKey.generate()
-    kernels = "numba kernels" if fused.enabled else "numpy path" if args.numpy else "numpy path (numba not installed)"
+    kernels = "numba kernels" if jit.enabled else "numpy path" if args.numpy else "numpy path (numba not installed)"
     results = {}
     contracts: list[Contract] = []
     for workload in WORKLOADS if args.workload == "both" else [args.workload]:
@@ -276,7 +276,7 @@ def main() -> None:
             Contract(f"{workload} fast path s/GiB (download excluded, {statistic})", fast, 0.2),
             Contract(f"{workload} speedup over a full download", speedup, 50, at_most=False),
         ]
-    out: dict[str, object] = {**results.get("synthetic", {}), "numba": fused.enabled, "workloads": results}
+    out: dict[str, object] = {**results.get("synthetic", {}), "numba": jit.enabled, "workloads": results}
     if "real-like" in results:
         out["real_like_fast_path_s_per_gib"] = results["real-like"]["fast_path_s_per_gib"]
     if args.json:

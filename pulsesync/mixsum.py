@@ -82,7 +82,7 @@ def _term_change(i: Any, new: Any, was: Any) -> tuple[Any, Any]:
     return _fmix(a0 ^ new) - _fmix(a0 ^ was), _fmix(a1 ^ new) - _fmix(a1 ^ was)
 
 
-# For the apply kernels (codec.fused), which update the digest as they write each element.
+# For the apply kernels (codec.batch), which update the digest as they write each element.
 term_change = numba.njit(inline="always")(_term_change) if numba is not None else _term_change
 
 

@@ -20,11 +20,12 @@ from pulsesync.codec import (
     RecordKind,
     UndoLog,
     apply_patch,
+    batch,
     encode_patch,
-    fused,
+    jit,
     read_header,
 )
-from pulsesync.codec.bits import encode_gap_codes
+from pulsesync.codec.codings.gap_codes import encode_gap_codes
 from pulsesync.codec.format import (
     PatchHeader,
     PositionCoding,
@@ -52,7 +53,7 @@ BF16 = dtype_info(torch.bfloat16)
 BOTH_KERNELS = pytest.mark.parametrize(  # numba's kernels (the batch kernel included), then numpy's path
     "kernels",
     [
-        pytest.param(True, id="numba", marks=pytest.mark.skipif(fused.decode_positions is None, reason="no numba")),
+        pytest.param(True, id="numba", marks=pytest.mark.skipif(not jit.enabled, reason="no numba")),
         pytest.param(False, id="numpy"),
     ],
 )
@@ -103,7 +104,7 @@ def test_truncated_at_every_length_raises_and_leaves_state_untouched(pair, patch
         assert_states_equal(work, base)
 
 
-@pytest.mark.skipif(fused.apply_batch is None, reason="no numba")
+@pytest.mark.skipif(batch.apply_batch is None, reason="no numba")
 @pytest.mark.parametrize("declared", [1, 10**12])
 def test_a_header_that_misstates_its_changes_neither_sizes_the_buffers_nor_stops_the_patch(declared: int) -> None:
     """The batch sizes its buffer by the header's changed_elements, which nothing has checked: a run
@@ -118,7 +119,7 @@ def test_a_header_that_misstates_its_changes_neither_sizes_the_buffers_nor_stops
     assert_states_equal(work, new)
 
 
-@pytest.mark.skipif(fused.apply_batch is None, reason="no numba")
+@pytest.mark.skipif(batch.apply_batch is None, reason="no numba")
 @pytest.mark.parametrize("threads", [2, 3])  # (on 2 cores, 3 is a pool of its own)
 def test_a_patch_cut_short_after_its_first_runs_were_applied_is_rolled_back_exactly(threads: int) -> None:
     """With threads, the batch kernel applies the first runs of records while the rest are parsed: a
@@ -329,7 +330,7 @@ def _sparse_patch(base: dict, gaps: list[int], escapes: list[int], length: int =
 @BOTH_KERNELS
 def test_out_of_bounds_positions_are_refused_and_nothing_is_written(pair, kernels: bool, monkeypatch) -> None:
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
+    monkeypatch.setattr(jit, "enabled", kernels)
     for gaps, escapes, match in [
         ([0, 1023], [], "outside the chunk"),  # positions 0 and 1024 in a chunk of 1024
         ([0xFFFF], [5000], "exceeds the chunk"),  # escaped gap beyond the chunk
@@ -366,8 +367,8 @@ def test_a_position_outside_the_chunk_late_in_a_gap_coded_record_is_refused_and_
     AHEAD + 24 inside the chunk is outside it, so the first 24 were written before it was seen. The
     error names the record, and the undo log holds exactly what was written (on both paths)."""
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
-    inside = fused.AHEAD + 24
+    monkeypatch.setattr(jit, "enabled", kernels)
+    inside = batch.AHEAD + 24
     bad = [*range(0, 2 * inside, 2), 1024]  # positions inside the chunk of 1024, then one just outside
     work, undo = clone_state(base), UndoLog()
     with pytest.raises(CorruptPatchError, match="'sparse' at element 0: a position is outside the chunk of 1024"):
@@ -393,7 +394,7 @@ def test_a_class_ordered_record_with_a_position_outside_its_chunk_writes_nothing
     the batch kernel decodes the GAP_CODES positions inside that gather: the last one, outside the
     chunk, stops the record before any write (on both paths)."""
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
+    monkeypatch.setattr(jit, "enabled", kernels)
 
     def patch(positions: list[int]) -> bytes:
         codes, extra = encode_gap_codes(np.array(positions, np.int64))
@@ -444,7 +445,7 @@ def test_history_records_that_contradict_their_reference_are_refused_with_one_me
     pair, kernels: bool, held: bool, monkeypatch
 ) -> None:
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
+    monkeypatch.setattr(jit, "enabled", kernels)
     for marked, fresh, count, match in [
         (0b111, [5], 3, "does not mark 2 positions"),  # 3 marked, the counts say 2
         (0b1000_0101, [5], 3, "does not mark 2 positions"),  # a padding bit set
@@ -476,7 +477,7 @@ def test_class_masks_that_contradict_the_chunk_are_refused_and_nothing_is_writte
 ) -> None:
     """The class table, the bitmap of the marked classes' elements and the count must agree with the old values."""
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
+    monkeypatch.setattr(jit, "enabled", kernels)
     classes = (base["sparse"].view(torch.int16)[:1024].numpy().astype(np.int32) >> 7) & 0xFF
     every, marked = int(classes[0]), int(classes[1])
     assert every != marked
@@ -509,7 +510,7 @@ def test_class_masks_that_contradict_the_chunk_are_refused_and_nothing_is_writte
 @BOTH_KERNELS
 def test_value_codes_that_do_not_match_their_stream_are_refused(pair, kernels: bool, monkeypatch) -> None:
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
+    monkeypatch.setattr(jit, "enabled", kernels)
     codes, extra = encode_gap_codes(np.array([0, 10], np.int64))
     gap_codes = {"escapes": len(extra), "positions": PositionCoding.GAP_CODES}
 
@@ -548,7 +549,7 @@ def test_gap_codes_that_do_not_match_their_stream_are_refused(
     """The gap-code check (branch-free in the kernel) on the batch's two readers: DELTA records and
     the records whose positions are decoded before their values (EXP_CODES)."""
     base, _ = pair
-    monkeypatch.setattr(fused, "enabled", kernels)
+    monkeypatch.setattr(jit, "enabled", kernels)
     values = bytes(1) if coding == ValueCoding.DELTA else bytes([2, 2])  # two values, every one small
 
     def patch(codes: bytes, extra: bytes) -> bytes:

@@ -29,7 +29,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, fused
+from pulsesync.codec import CodecParams, PatchDecoder, RecordKind, UndoLog, apply_patch, batch, jit
 from pulsesync.codec.encoder import encode
 from pulsesync.codec.format import (
     PositionCoding,
@@ -43,7 +43,7 @@ from pulsesync.errors import PulseSyncError
 from pulsesync.synthetic import real_like_trainer
 from tests.support.helpers import assemble_patch, patch_records
 
-pytestmark = pytest.mark.skipif(fused.apply_batch is None, reason="no numba: only one decoder to compare")
+pytestmark = pytest.mark.skipif(batch.apply_batch is None, reason="no numba: only one decoder to compare")
 
 GUARD = 64  # bytes before and after each tensor
 GUARD_BYTE = 0xA5
@@ -146,8 +146,8 @@ def _outcome(target: Target, patch: bytes, kernels: bool, threads: int) -> tuple
     and the state (rolled back on error); fails the test if a guard byte changed or a rollback is not exact."""
     state, buffer = _guarded(target.base)
     undo = UndoLog()
-    previous = fused.enabled
-    fused.enabled = kernels
+    previous = jit.enabled
+    jit.enabled = kernels
     try:
         apply_patch(
             state, patch, base_digest=target.digest, threads=threads, undo=undo, reference=target.reference,
@@ -163,7 +163,7 @@ def _outcome(target: Target, patch: bytes, kernels: bool, threads: int) -> tuple
         for name, t in target.base.items():
             assert torch.equal(state[name].view(torch.uint8), t.view(torch.uint8)), f"{name} not rolled back"
     finally:
-        fused.enabled = previous
+        jit.enabled = previous
     assert _guards_intact(state, buffer), "a byte outside the state's tensors changed"
     return outcome, state
 

@@ -18,11 +18,13 @@ from pulsesync.codec import (
     UndoLog,
     apply_patch,
     apply_record,
-    bits,
+    batch,
     encode_patch,
-    fused,
+    jit,
     read_header,
 )
+from pulsesync.codec.codings import class_masks, gap_codes, gaps16, small_codes, value_codes
+from pulsesync.codec.codings import values as value_bits
 from pulsesync.codec.encoder import chunk_bounds
 from pulsesync.digest import state_digest
 from pulsesync.dtypes import DTYPES, dtype_info, flat_bits
@@ -210,7 +212,7 @@ def test_tensor_larger_than_2_pow_31_elements() -> None:
     assert torch.equal(work["huge"], new["huge"])
 
 
-@pytest.mark.skipif(fused.apply_delta_2byte is None, reason="numba is not installed")
+@pytest.mark.skipif(batch.apply_delta_2byte is None, reason="numba is not installed")
 @settings(max_examples=60)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -236,15 +238,15 @@ def test_fused_kernel_matches_the_numpy_path_bit_for_bit(
     patch = encode_patch(base, new, params)
     results = []
     for enabled in (True, False):
-        fused.enabled = enabled
-        original = fused.apply_delta_2byte
+        jit.enabled = enabled
+        original = batch.apply_delta_2byte
         if mode == "no-kernel" and enabled:  # records left packed, decoded by numpy at apply
-            fused.apply_delta_2byte = None
+            batch.apply_delta_2byte = None
         try:
             work, undo = clone_state(base), UndoLog()
             apply_patch(work, patch, undo=undo, threads=threads)
         finally:
-            fused.enabled, fused.apply_delta_2byte = True, original
+            jit.enabled, batch.apply_delta_2byte = True, original
         assert_states_equal(work, new)
         results.append(undo.changed())
         undo.rollback(work)
@@ -262,13 +264,13 @@ def _same_on_both_paths(decode: Callable[[], np.ndarray], messages: bool = True)
     """Run a decoder with numba's kernels, then with numpy: the same array, or the same error (and message)."""
     outcomes: list[np.ndarray | str] = []
     for kernels in (True, False):
-        fused.enabled = kernels
+        jit.enabled = kernels
         try:
             outcomes.append(decode())
         except CorruptPatchError as e:
             outcomes.append(str(e) if messages else "CorruptPatchError")
         finally:
-            fused.enabled = True
+            jit.enabled = True
     kernel, numpy_path = outcomes
     if isinstance(kernel, str) or isinstance(numpy_path, str):
         assert kernel == numpy_path
@@ -277,7 +279,7 @@ def _same_on_both_paths(decode: Callable[[], np.ndarray], messages: bool = True)
     return kernel
 
 
-@pytest.mark.skipif(fused.decode_positions is None, reason="numba is not installed")
+@pytest.mark.skipif(gaps16.decode_positions_kernel is None, reason="numba is not installed")
 @given(
     positions=st.lists(st.integers(0, 300_000), max_size=60, unique=True).map(sorted),
     length=st.sampled_from([1, 70_000, 300_001, 300_000]),
@@ -285,21 +287,21 @@ def _same_on_both_paths(decode: Callable[[], np.ndarray], messages: bool = True)
 )
 def test_positions_kernel_matches_the_numpy_decoder(positions: list[int], length: int, corrupt: str) -> None:
     """Same positions, or the same refusal, from gap planes with escapes (gaps >= 0xFFFF)."""
-    gaps, escapes = bits.encode_positions(np.array(positions, np.int64))
+    gaps, escapes = gaps16.encode_positions(np.array(positions, np.int64))
     if corrupt == "drop an escape":
         escapes = escapes[:-1]
     elif corrupt == "add an escape":
         escapes = np.append(escapes, np.uint64(5))
-    planes = np.frombuffer(bits.to_planes(gaps), np.uint8)
+    planes = np.frombuffer(value_bits.to_planes(gaps), np.uint8)
     # The u16 kernel checks as it goes, numpy checks the escapes first: the first error found may differ.
     kernel = _same_on_both_paths(
-        lambda: bits.decode_positions(planes, gaps.size, escapes, length, "record"), messages=False
+        lambda: gaps16.decode_positions(planes, gaps.size, escapes, length, "record"), messages=False
     )
     if corrupt == "none" and max(positions, default=-1) < length:
         assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
 
 
-@pytest.mark.skipif(fused.decode_gap_codes is None, reason="numba is not installed")
+@pytest.mark.skipif(gap_codes.decode_gap_codes_kernel is None, reason="numba is not installed")
 @given(
     positions=st.lists(st.integers(0, 2**30 - 1), max_size=60, unique=True).map(sorted),
     length=st.sampled_from([1, 70_000, 2**30 - 1, 2**30]),
@@ -308,12 +310,12 @@ def test_positions_kernel_matches_the_numpy_decoder(positions: list[int], length
 )
 def test_gap_codes_kernel_matches_the_numpy_decoder(positions: list[int], length: int, corrupt: str, at: int) -> None:
     """Same bytes from both encoders; same positions, or the same error message, from both decoders."""
-    codes, extra_bytes = bits.encode_gap_codes(np.array(positions, np.int64))
-    fused.enabled = False
+    codes, extra_bytes = gap_codes.encode_gap_codes(np.array(positions, np.int64))
+    jit.enabled = False
     try:
-        numpy_codes, numpy_extra = bits.encode_gap_codes(np.array(positions, np.int64))
+        numpy_codes, numpy_extra = gap_codes.encode_gap_codes(np.array(positions, np.int64))
     finally:
-        fused.enabled = True
+        jit.enabled = True
     assert np.array_equal(codes, numpy_codes) and extra_bytes == numpy_extra
     extra = np.frombuffer(extra_bytes, np.uint8).copy()
     if corrupt == "code" and codes.size:
@@ -326,12 +328,12 @@ def test_gap_codes_kernel_matches_the_numpy_decoder(positions: list[int], length
         extra[-1] |= 0x80
     elif corrupt == "flip" and extra.size:
         extra[at % extra.size] ^= 1 << (at % 8)
-    kernel = _same_on_both_paths(lambda: bits.decode_gap_codes(codes, codes.size, extra, length, "record"))
+    kernel = _same_on_both_paths(lambda: gap_codes.decode_gap_codes(codes, codes.size, extra, length, "record"))
     if corrupt == "none" and max(positions, default=-1) < length:
         assert isinstance(kernel, np.ndarray) and kernel.tolist() == positions
 
 
-@pytest.mark.skipif(fused.encode_value_codes is None, reason="numba is not installed")
+@pytest.mark.skipif(value_codes.encode_value_codes_kernel is None, reason="numba is not installed")
 @given(
     values=st.lists(st.integers(-(2**15), 2**15 - 1), max_size=80),
     seed=st.integers(0, 2**31 - 1),
@@ -342,15 +344,15 @@ def test_value_codes_are_the_same_bytes_on_both_paths_and_decode_back(values: li
     signed = np.array(values, np.int16)
     old = rng.integers(-(2**15), 2**15, signed.size).astype(np.int16)
     order = rng.permutation(signed.size).astype(np.int64)
-    symbols, extra = bits.encode_value_codes(signed, old, order)
-    fused.enabled = False
+    symbols, extra = value_codes.encode_value_codes(signed, old, order)
+    jit.enabled = False
     try:
-        numpy_symbols, numpy_extra = bits.encode_value_codes(signed, old, order)
+        numpy_symbols, numpy_extra = value_codes.encode_value_codes(signed, old, order)
     finally:
-        fused.enabled = True
+        jit.enabled = True
     assert np.array_equal(symbols, numpy_symbols) and extra == numpy_extra
-    decoded = bits.decode_value_codes(symbols, np.frombuffer(extra, np.uint8), "record")
-    assert np.array_equal(decoded, bits.fold_by_sign(signed, old)[order])
+    decoded = value_codes.decode_value_codes(symbols, np.frombuffer(extra, np.uint8), "record")
+    assert np.array_equal(decoded, value_bits.fold_by_sign(signed, old)[order])
 
 
 @given(
@@ -363,45 +365,45 @@ def test_class_masks_decode_to_their_positions_on_both_paths(classes: list[int],
     positions = np.flatnonzero(np.array(changed[: old.size]))
     if not positions.size:
         return
-    table, bitmap = bits.encode_class_masks(old, positions)
+    table, bitmap = class_masks.encode_class_masks(old, positions)
     decoded = _same_on_both_paths(
-        lambda: bits.decode_class_masks(old, table, np.frombuffer(bitmap, np.uint8), positions.size, "record")
+        lambda: class_masks.decode_class_masks(old, table, np.frombuffer(bitmap, np.uint8), positions.size, "record")
     )
     assert isinstance(decoded, np.ndarray) and decoded.tolist() == positions.tolist()
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["numba-if-installed", "numpy"])
 def test_escape_count_is_checked_the_same_on_both_paths(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused, "enabled", fused.enabled and kernels)
+    monkeypatch.setattr(jit, "enabled", jit.enabled and kernels)
     values = np.array([1, 2, 3, 400, 5, 1], np.uint16)  # zigzagged; 400 and 5 (>= offset 1 + 3) escape
-    packed, escapes = bits.pack_small(values, 1)
-    bits.check_escape_count(packed, values.size, escapes.size, "r")
+    packed, escapes = small_codes.pack_small(values, 1)
+    small_codes.check_escape_count(packed, values.size, escapes.size, "r")
     for wrong in (escapes.size - 1, escapes.size + 1):
         with pytest.raises(CorruptPatchError, match="escaped value count does not match"):
-            bits.check_escape_count(packed, values.size, wrong, "r")
+            small_codes.check_escape_count(packed, values.size, wrong, "r")
     with pytest.raises(CorruptPatchError, match="escaped value count does not match"):
-        bits.unpack_small_deltas(packed, values.size, escapes[:-1], 1, "r")
+        small_codes.unpack_small_deltas(packed, values.size, escapes[:-1], 1, "r")
     assert np.array_equal(
-        bits.unpack_small_deltas(packed, values.size, escapes, 1, "r"), bits.unzigzag(values, np.int16)
+        small_codes.unpack_small_deltas(packed, values.size, escapes, 1, "r"), value_bits.unzigzag(values, np.int16)
     )
 
 
 _WARM_UP_THEN_APPLY = """
 import torch
-from pulsesync.codec import apply_patch, encode_patch, fused
-fused.warm_up()
+from pulsesync.codec import apply_patch, batch, encode_patch
+batch.warm_up()
 gen = torch.Generator().manual_seed(0)
 base = {"w": torch.randn(1 << 16, generator=gen).to(torch.bfloat16)}
 new = {"w": base["w"].clone()}
 new["w"].view(torch.int16)[::97] += 1
 apply_patch(base, encode_patch(base, new))
-print(len(fused.apply_batch.signatures))
+print(len(batch.apply_batch.signatures))
 """
 
 
-@pytest.mark.skipif(fused.apply_batch is None, reason="numba is not installed")
+@pytest.mark.skipif(batch.apply_batch is None, reason="numba is not installed")
 def test_warm_up_compiles_the_batch_kernel_for_the_arrays_a_patch_gives_it() -> None:
-    """A fresh process: after fused.warm_up, applying a patch compiles nothing more (a second
+    """A fresh process: after batch.warm_up, applying a patch compiles nothing more (a second
     signature compiles inside the subscriber's first sync, seconds on a machine without numba's cache)."""
     import subprocess
     import sys

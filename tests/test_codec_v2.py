@@ -28,13 +28,14 @@ from pulsesync.codec import (
     UndoLog,
     ValueCoding,
     apply_patch,
-    bits,
+    diff,
     encode,
     encode_part,
-    fused,
+    jit,
     read_header,
 )
 from pulsesync.codec.baseline import pulse_encode, pulse_wire
+from pulsesync.codec.codings import history as history_coding
 from pulsesync.codec.encoder import _Changes
 from pulsesync.codec.format import RECORD_FIXED_V2, PositionCoding, parse_header
 from pulsesync.codec.history import ChunkHistory
@@ -56,10 +57,10 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 @pytest.fixture(params=["numba", "numpy"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run with numba's fused kernels, then with the numpy path."""
+    """Run with numba's kernels, then with the numpy path."""
     if request.param == "numpy":
-        monkeypatch.setattr(fused, "enabled", False)
-    elif not fused.enabled:
+        monkeypatch.setattr(jit, "enabled", False)
+    elif not jit.enabled:
         pytest.skip("numba is not installed")
     yield request.param
 
@@ -253,7 +254,7 @@ def test_the_coverage_patches_hold_every_record_kind() -> None:
     assert every - {(RecordKind.HISTORY, PositionCoding.CLASS_MASKS)} <= position_codings
 
 
-@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@pytest.mark.skipif(not jit.enabled, reason="numba is not installed")
 @pytest.mark.parametrize(("index", "values"), _COVERAGE_CASES)
 def test_the_kernels_and_numpy_apply_every_coverage_patch_alike(
     index: int, values: bool, monkeypatch: pytest.MonkeyPatch
@@ -264,7 +265,7 @@ def test_the_kernels_and_numpy_apply_every_coverage_patch_alike(
     reference = _as_held(reference, base, values)
     outcomes = []
     for enabled in (True, False):
-        monkeypatch.setattr(fused, "enabled", enabled)
+        monkeypatch.setattr(jit, "enabled", enabled)
         work, undo = {n: t.clone() for n, t in base.items()}, UndoLog()
         history = PatchHistory(hashlib.sha256(patch).hexdigest())
         apply_patch(work, patch, reference=reference, history=history, undo=undo)
@@ -320,8 +321,8 @@ def test_predicted_offsets_agree_on_both_paths_and_with_float_arithmetic(seed: i
     deltas = np.concatenate([deltas, np.tile(specials, specials.size)]).astype(np.int16)
     deltas[::13] = 0  # new positions: no prediction
     numpy_offsets = _offsets_without_numba(old, deltas)
-    if fused.enabled:
-        assert np.array_equal(bits.predicted_offsets(old, deltas), numpy_offsets)
+    if jit.enabled:
+        assert np.array_equal(history_coding.predicted_offsets(old, deltas), numpy_offsets)
     ordered = old.astype(np.int64) ^ ((old.astype(np.int64) >> 15) & 0x7FFF)
     prev_ordered = ((ordered - deltas + 32768) & 0xFFFF) - 32768
     prev = (prev_ordered ^ ((prev_ordered >> 15) & 0x7FFF)).astype(np.int16)
@@ -337,18 +338,18 @@ def test_predicted_offsets_agree_on_both_paths_and_with_float_arithmetic(seed: i
     assert not numpy_offsets[deltas == 0].any()
 
 
-@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+@pytest.mark.skipif(not jit.enabled, reason="needs numba")
 def test_the_kernels_within_a_binade_shortcut_agrees_with_the_full_prediction_on_every_bf16_value() -> None:
-    """fused._predicted_offset skips the rounding where old, prev and the prediction share a binade: every bf16
+    """history_coding._predicted_offset skips the rounding where old, prev and the prediction share a binade: every bf16
     value, moved -24..24 steps, gets numpy's exactly computed offset (the shortcut's edges: signed zeros,
     subnormals, binade ends, infinities and NaNs are all among them)."""
     every = np.arange(-(2**15), 2**15, dtype=np.int64).astype(np.int16)
     moves = np.arange(-24, 25, dtype=np.int16)
     old, deltas = np.repeat(every, moves.size), np.tile(moves, every.size)
-    assert np.array_equal(bits.predicted_offsets(old, deltas), _offsets_without_numba(old, deltas))
+    assert np.array_equal(history_coding.predicted_offsets(old, deltas), _offsets_without_numba(old, deltas))
 
 
-@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+@pytest.mark.skipif(not jit.enabled, reason="needs numba")
 def test_the_kernels_float64_rounding_agrees_with_numpys_integer_rounding_on_every_bf16_value() -> None:
     """Where old, prev and the prediction do not share a binade, the kernel rounds 2 * old - prev from its
     float64 bits, numpy from an exact integer: every bf16 value, moved by 25 to 32768 steps either way (a real
@@ -358,20 +359,20 @@ def test_the_kernels_float64_rounding_agrees_with_numpys_integer_rounding_on_eve
     moves = np.concatenate([steps, -steps]).astype(np.int64)
     moves = ((moves + 2**15) % 2**16 - 2**15).astype(np.int16)
     old, deltas = np.repeat(every, moves.size), np.tile(moves, every.size)
-    assert np.array_equal(bits.predicted_offsets(old, deltas), _offsets_without_numba(old, deltas))
+    assert np.array_equal(history_coding.predicted_offsets(old, deltas), _offsets_without_numba(old, deltas))
 
 
 def _offsets_without_numba(old: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-    return np.asarray(_without_numba(bits.predicted_offsets, old, deltas))
+    return np.asarray(_without_numba(history_coding.predicted_offsets, old, deltas))
 
 
 def _without_numba(fn: Any, *args: Any) -> Any:
-    enabled = fused.enabled
-    fused.enabled = False
+    enabled = jit.enabled
+    jit.enabled = False
     try:
         return fn(*args)
     finally:
-        fused.enabled = enabled
+        jit.enabled = enabled
 
 
 @SETTINGS
@@ -393,8 +394,8 @@ def test_changed_elements_agree_on_both_paths(seed: int, dtype: type[np.integer]
     old, new = old[skew:], new[skew:]
     expected = np.flatnonzero(old != new)
     for positions, old_found, new_found in (
-        bits.changed_elements(old, new),
-        _without_numba(bits.changed_elements, old, new),
+        diff.changed_elements(old, new),
+        _without_numba(diff.changed_elements, old, new),
     ):
         assert np.array_equal(positions, expected) and positions.dtype == np.int64
         assert old_found.dtype == new_found.dtype == dtype
@@ -411,15 +412,15 @@ def test_matching_a_reference_agrees_on_both_paths(seed: int, overlap: float) ->
     recurring = ref_positions[rng.random(ref_positions.size) < overlap]
     positions = np.unique(np.concatenate([recurring, rng.integers(0, 5000, rng.integers(0, 800))]))
     ref_deltas = rng.integers(-(2**15), 2**15, ref_positions.size).astype(np.int16)
-    got = bits.match_reference(positions, ref_positions, ref_deltas)
-    want = _without_numba(bits.match_reference, positions, ref_positions, ref_deltas)
+    got = history_coding.match_reference(positions, ref_positions, ref_deltas)
+    want = _without_numba(history_coding.match_reference, positions, ref_positions, ref_deltas)
     again = np.isin(ref_positions, positions)
     assert np.array_equal(want[0], again) and np.array_equal(want[2], positions[~np.isin(positions, ref_positions)])
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
-@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+@pytest.mark.skipif(not jit.enabled, reason="needs numba")
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), overlap=st.floats(0, 1), repeat=st.booleans())
 def test_merging_a_history_records_positions_agrees_with_a_sorted_union(
@@ -435,8 +436,8 @@ def test_merging_a_history_records_positions_agrees_with_a_sorted_union(
     if repeat and again.any():
         fresh = np.union1d(fresh, rng.choice(ref_positions[again], 1))
     positions, deltas = np.empty(again.sum() + fresh.size, np.int64), np.empty(again.sum() + fresh.size, np.int16)
-    assert fused.merge_history is not None
-    merged = fused.merge_history(ref_positions, ref_deltas, again, fresh, positions, deltas)
+    assert history_coding.merge_history_kernel is not None
+    merged = history_coding.merge_history_kernel(ref_positions, ref_deltas, again, fresh, positions, deltas)
     assert merged == (not repeat or not again.any())
     if merged:
         union = np.concatenate([ref_positions[again], fresh])
@@ -509,7 +510,7 @@ def test_format_2_is_written_on_request_without_the_codings_of_format_3() -> Non
         apply_patch({n: t.clone() for n, t in states[0].items()}, bytes(relabelled))
 
 
-@pytest.mark.skipif(not fused.enabled, reason="needs numba")
+@pytest.mark.skipif(not jit.enabled, reason="needs numba")
 @pytest.mark.parametrize("changed_outside", [False, True])
 def test_the_old_values_a_history_holds_are_used_only_where_the_state_still_holds_them(changed_outside: bool) -> None:
     """The batch kernel keeps the values each patch wrote in its history: the next patch's class-ordered
@@ -690,7 +691,7 @@ async def test_a_format_1_store_is_read_by_the_format_2_subscriber(store: Store,
     assert_states_equal(sub.state, REAL_LIKE[7])
 
 
-@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@pytest.mark.skipif(not jit.enabled, reason="numba is not installed")
 @SETTINGS
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -702,7 +703,7 @@ async def test_a_format_1_store_is_read_by_the_format_2_subscriber(store: Store,
 def test_a_records_streams_are_the_same_from_the_kernel_and_from_numpy(
     seed: int, dtype: torch.dtype, count: int, recurring: float, referenced: bool
 ) -> None:
-    """fused.sparse_streams (one call a record) and the numpy functions it stands for: every stream the encoder
+    """streams.sparse_streams_kernel (one call a record) and the numpy functions it stands for: every stream the encoder
     codes, and the new values' entropy estimate, equal; matched against a reference that shares `recurring`
     of its positions, with PREDICTED_CODES' offsets for bf16."""
     rng = np.random.default_rng(seed)
@@ -719,7 +720,7 @@ def test_a_records_streams_are_the_same_from_the_kernel_and_from_numpy(
         reference = ChunkHistory(ref_positions, ref_deltas)
     found = []
     for enabled in (True, False):
-        fused.enabled = enabled
+        jit.enabled = enabled
         try:
             changes = _Changes(CodecParams(), info, positions, old, new, reference)
             streams = [
@@ -737,7 +738,7 @@ def test_a_records_streams_are_the_same_from_the_kernel_and_from_numpy(
                 streams += [matched.bitmap, matched.fresh, matched.fresh_codes, matched.residuals, matched.codes]
             found.append(streams)
         finally:
-            fused.enabled = True
+            jit.enabled = True
     kernel, numpy_made = found
     assert len(kernel) == len(numpy_made)
     for a, b in zip(kernel, numpy_made, strict=True):
@@ -746,7 +747,7 @@ def test_a_records_streams_are_the_same_from_the_kernel_and_from_numpy(
             assert np.array_equal(x, y) and (not isinstance(x, np.ndarray) or x.dtype == y.dtype)
 
 
-@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@pytest.mark.skipif(not jit.enabled, reason="numba is not installed")
 @SETTINGS
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -766,7 +767,7 @@ def test_the_encoder_writes_the_same_bytes_with_its_streams_kernel_and_with_nump
     params = CodecParams(chunk_elements=1024, format_version=format_version)
     written = []
     for enabled in (True, False):
-        fused.enabled = enabled
+        jit.enabled = enabled
         try:
             patches, reference = [], None
             for base, new in itertools.pairwise(states):
@@ -774,32 +775,32 @@ def test_the_encoder_writes_the_same_bytes_with_its_streams_kernel_and_with_nump
                 patches.append((encoded.data, encoded.codings))
                 reference = encoded.history
         finally:
-            fused.enabled = True
+            jit.enabled = True
         written.append(patches)
     assert written[0] == written[1]
     assert format_version == 2 or any(k.startswith("HISTORY/") for _, codings in written[0] for k in codings)
 
 
-@pytest.mark.skipif(not fused.enabled, reason="numba is not installed")
+@pytest.mark.skipif(not jit.enabled, reason="numba is not installed")
 def test_a_dense_chunk_gives_its_scratch_back_and_the_next_finds_its_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """changed_elements' per-thread scratch: dropped after a call that filled more than SCRATCH_KEPT entries (its
     pages freed), made again for the next call, which finds exactly its own changes."""
-    monkeypatch.setattr(bits, "SCRATCH_KEPT", 100)
+    monkeypatch.setattr(diff, "SCRATCH_KEPT", 100)
     old = np.arange(4096, dtype=np.int16)
     for changed in (np.arange(0, 4096, 3), np.array([5, 77, 4095])):  # 1,366 changes, then 3
         new = old.copy()
         new[changed] += 1
-        positions, old_found, new_found = bits.changed_elements(old, new)
+        positions, old_found, new_found = diff.changed_elements(old, new)
         assert positions.tolist() == changed.tolist()
         assert np.array_equal(old_found, old[changed]) and np.array_equal(new_found, new[changed])
-        assert (np.dtype(np.int16) in bits._scratch.by_dtype) == (changed.size <= 100)
+        assert (np.dtype(np.int16) in diff._scratch.by_dtype) == (changed.size <= 100)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_the_scratch_is_private_to_the_process_that_made_it() -> None:
     """changed_elements' scratch (held between calls) is not written by a child forked after it was made
     (a shared mapping was: two processes encoding at once would have found each other's changes)."""
-    scratch, _, _ = bits._scratch_for(16, np.dtype(np.int16))
+    scratch, _, _ = diff._scratch_for(16, np.dtype(np.int16))
     scratch[:16] = 1
     child = os.fork()
     if child == 0:  # pragma: no cover - the child

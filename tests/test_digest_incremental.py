@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pulsesync import mixsum
-from pulsesync.codec import CodecParams, PatchHistory, UndoLog, apply_patch, encode, fused
+from pulsesync.codec import CodecParams, PatchHistory, UndoLog, apply_patch, encode, jit
 from pulsesync.digest import StateDigest, lane_change, state_digest, tensor_digest, update_digest
 from tests.support.helpers import assert_states_equal, clone_state, state_pairs
 
@@ -94,12 +94,12 @@ def test_incremental_update_equals_the_full_digest(
     assert encoded.digest == full  # every per-tensor entry and the root, bit for bit
     work = clone_state(base)
     log, collected = UndoLog() if undo else None, PatchHistory(encoded.history.sha256) if history else None
-    enabled = fused.enabled
-    fused.enabled = enabled and apply_kernels  # off: the numpy paths update the digest from the undo values
+    enabled = jit.enabled
+    jit.enabled = enabled and apply_kernels  # off: the numpy paths update the digest from the undo values
     try:
         applied = apply_patch(work, encoded.data, base_digest=base_digest, undo=log, history=collected)
     finally:
-        fused.enabled = enabled
+        jit.enabled = enabled
     assert_states_equal(work, new)
     assert applied == full
 

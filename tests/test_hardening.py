@@ -520,7 +520,7 @@ def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollba
     """
     import torch
 
-    from pulsesync.codec import UndoLog, apply, encode_patch, fused
+    from pulsesync.codec import UndoLog, apply, encode_patch, jit
     from tests.support.helpers import assert_states_equal, clone_state
 
     gen = torch.Generator().manual_seed(0)
@@ -540,7 +540,7 @@ def test_a_failing_record_with_codec_threads_leaves_nothing_applied_after_rollba
 
     monkeypatch.setattr(apply, target, slow_or_failing)
     if path == "per-record":
-        monkeypatch.setattr(fused, "enabled", False)
+        monkeypatch.setattr(jit, "enabled", False)
     state, undo = clone_state(base), UndoLog()
     with pytest.raises(CorruptPatchError, match="injected"):
         apply.apply_patch(state, data, threads=None, undo=undo)  # the shared pool, one thread per core

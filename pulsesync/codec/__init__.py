@@ -1,7 +1,10 @@
 """Lossless sparse patch codec: bitwise diff, compact position/value coding, zstd, framed records.
 
 Pure: no I/O. `encoder` writes patches, `parse` reads them, `apply` applies them; `format` is the
-byte layout (docs/patch-format.md), `bits` the position and value coding, `fused` its numba kernels.
+byte layout (docs/patch-format.md), `codings` the position and value codings (one module each,
+its numba kernels beside its numpy code), `batch` the kernel that applies a run of records
+across codings, `streams` the encoder's kernel across codings, `diff` where two chunks differ,
+`jit` how kernels are compiled.
 """
 
 from __future__ import annotations

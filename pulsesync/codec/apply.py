@@ -15,14 +15,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from pulsesync.codec import bits, fused
+from pulsesync.codec import batch, jit
 from pulsesync.codec.arenas import ArenaPool
+from pulsesync.codec.codings.class_masks import decode_class_masks, magnitude_order
+from pulsesync.codec.codings.history import predicted_offsets
+from pulsesync.codec.codings.small_codes import unpack_small_deltas
+from pulsesync.codec.codings.values import decode_values_, encode_values, fold_by_sign, host, wrapping_add
 from pulsesync.codec.format import (
     BY_CLASS,
     CODES,
     V2_CODINGS,
     PatchHeader,
-    PositionCoding,
     RecordHeader,
     RecordKind,
     ValueCoding,
@@ -137,11 +140,11 @@ def apply_record(
         state[h.name] = tensor = tensor.contiguous()
     chunk = tensor.view(-1).view(h.info.int_dtype)[h.start : h.start + h.length]
     if record.class_masks is not None:  # positions coded by the old values' classes: decoded before any write
-        found = bits.decode_class_masks(bits.host(chunk), *record.class_masks, h.count, record_where(h))
+        found = decode_class_masks(host(chunk), *record.class_masks, h.count, record_where(h))
         record = replace(record, positions=found, class_masks=None)
     if h.coding in V2_CODINGS:
         _apply_deltas(record, chunk, undo, history, lanes)
-    elif record.packed is not None and chunk.device.type == "cpu" and fused.apply_delta_2byte is not None:
+    elif record.packed is not None and chunk.device.type == "cpu" and batch.apply_delta_2byte is not None:
         _apply_packed(record, chunk, undo, history, lanes)
     else:
         _apply_coded(record, chunk, undo, history, lanes)
@@ -154,14 +157,14 @@ def _apply_packed(
     history: PatchHistory | None,
     lanes: np.ndarray | None,
 ) -> None:
-    """A SPARSE record of packed small deltas on a CPU chunk: the fused kernel, in one pass."""
+    """A SPARSE record of packed small deltas on a CPU chunk: batch.apply_delta_2byte, in one pass."""
     h, positions = record.header, record.positions
-    assert record.packed is not None and positions is not None and fused.apply_delta_2byte is not None
+    assert record.packed is not None and positions is not None and batch.apply_delta_2byte is not None
     packed, escapes = record.packed
     old = np.empty(positions.size, np.int16)
     deltas = np.empty(positions.size if history is not None else 0, np.int16)
     target = chunk.detach().numpy()
-    fused.apply_delta_2byte(
+    batch.apply_delta_2byte(
         target, positions, packed, escapes, old, deltas, h.start, _NO_LANES if lanes is None else lanes, _NO_NEWS
     )
     _log_kernel_chunk(h, positions, old, deltas, undo, history)
@@ -181,7 +184,7 @@ def _apply_coded(
     if record.packed is not None:
         assert record.positions is not None
         packed, escapes = record.packed
-        coded_values = deltas = bits.unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
+        coded_values = deltas = unpack_small_deltas(packed, record.positions.size, escapes, 1, h.name)
         if history is not None:
             history.chunks[key] = ChunkHistory(record.positions, deltas)
     assert coded_values is not None
@@ -190,7 +193,7 @@ def _apply_coded(
         old = chunk.clone() if undo is not None or lanes is not None else None
         if undo is not None and old is not None:
             undo.chunks.append((h.name, h.start, h.length, None, old))
-        bits.decode_values_(chunk, coded, h.info, h.coding)
+        decode_values_(chunk, coded, h.info, h.coding)
         if lanes is not None and old is not None:
             _add_lanes(lanes, lane_change(old, chunk, h.start))
         return
@@ -202,14 +205,14 @@ def _apply_coded(
     old_values = values.clone() if undo is not None or derive_history or lanes is not None else values
     if undo is not None:
         undo.chunks.append((h.name, h.start, h.length, index, old_values))
-    new_values = bits.decode_values_(values, coded, h.info, h.coding)
+    new_values = decode_values_(values, coded, h.info, h.coding)
     chunk.index_copy_(0, index, new_values)
     if lanes is not None:
         _add_lanes(lanes, lane_change(old_values, new_values, h.start, record.positions))
     if derive_history:
         assert history is not None
-        ordered_deltas = bits.encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
-        history.chunks[key] = ChunkHistory(record.positions, bits.host(ordered_deltas))
+        ordered_deltas = encode_values(old_values, new_values, h.info, ValueCoding.DELTA)
+        history.chunks[key] = ChunkHistory(record.positions, host(ordered_deltas))
 
 
 def _apply_deltas(
@@ -223,12 +226,12 @@ def _apply_deltas(
     h = record.header
     assert record.positions is not None
     key = (h.name, h.start, h.length)
-    if record.planes is not None and chunk.device.type == "cpu" and fused.apply_planes_2byte is not None:
+    if record.planes is not None and chunk.device.type == "cpu" and batch.apply_planes_2byte is not None:
         positions = record.positions
         old_values, applied = np.empty(positions.size, np.int16), np.empty(positions.size, np.int16)
         ref_deltas = record.ref_deltas if record.ref_deltas is not None else np.empty(0, np.int16)
         target, out = chunk.detach().numpy(), _NO_LANES if lanes is None else lanes
-        fused.apply_planes_2byte(
+        batch.apply_planes_2byte(
             target, positions, record.planes, int(h.coding), ref_deltas, old_values, applied, h.start, out, _NO_NEWS
         )
         _log_kernel_chunk(h, positions, old_values, applied, undo, history)
@@ -237,23 +240,23 @@ def _apply_deltas(
     old = chunk.index_select(0, index)
     deltas = record.values if record.planes is None else decode_planes(record.planes, h)
     assert deltas is not None
-    old_bits = bits.host(old)
+    old_bits = host(old)
     if h.coding in BY_CLASS:  # stored sorted by the old values' magnitude class
         in_order = np.empty_like(deltas)
-        in_order[bits.magnitude_order(old_bits)] = deltas
+        in_order[magnitude_order(old_bits)] = deltas
         deltas = in_order
     if h.coding in CODES:  # stored negated where the old value is negative
-        deltas = bits.fold_by_sign(deltas, old_bits)
+        deltas = fold_by_sign(deltas, old_bits)
     if record.ref_deltas is not None:
         reference = record.ref_deltas
         if h.coding == ValueCoding.PREDICTED_CODES:  # residuals against a float-space prediction
-            reference = bits.predicted_offsets(old_bits, reference)
-        deltas = bits.wrapping_add(deltas, reference)
+            reference = predicted_offsets(old_bits, reference)
+        deltas = wrapping_add(deltas, reference)
     before = old.clone() if undo is not None or lanes is not None else old
     if undo is not None:
         undo.chunks.append((h.name, h.start, h.length, index, before))
     coded = torch.from_numpy(deltas).to(chunk.device)
-    new = bits.decode_values_(old, coded, h.info, ValueCoding.DELTA)
+    new = decode_values_(old, coded, h.info, ValueCoding.DELTA)
     chunk.index_copy_(0, index, new)
     if lanes is not None:
         _add_lanes(lanes, lane_change(before, new, h.start, record.positions))
@@ -271,7 +274,7 @@ def _log_kernel_chunk(
     addresses: tuple[int, int, int] | None = None,
     values: np.ndarray | None = None,
 ) -> None:
-    """What a fused kernel overwrote into the undo log, and the deltas (and new values) it applied into the history."""
+    """What a kernel overwrote into the undo log, and the deltas (and new values) it applied into the history."""
     if undo is not None:
         undo.chunks.append((h.name, h.start, h.length, positions, old))
     if history is not None:
@@ -452,9 +455,9 @@ def _apply_records(
     algorithm = parser.header.digest_algorithm
     chunk_kinds = _CHUNK_KINDS
     references = reference.chunks if reference is not None else {}
-    batch = None
-    if fused.apply_batch is not None and fused.enabled:
-        batch = _Batch(state, parser.header, patch_bytes, undo, references, history, threads, incremental)
+    runs = None
+    if batch.apply_batch is not None and jit.enabled:
+        runs = _Batch(state, parser.header, patch_bytes, undo, references, history, threads, incremental)
     rest: list[tuple[RecordHeader, memoryview]] = []
     try:  # records are checked, and batchable ones applied, as they are parsed
         for item in raw_records:
@@ -465,17 +468,17 @@ def _apply_records(
                 if undo is not None:
                     undo.tensors.append((h.name, tensor))
                 state[h.name] = tensor.contiguous()
-            if batch is not None and _batchable(h, state):
-                batch.add(item)
+            if runs is not None and _batchable(h, state):
+                runs.add(item)
             else:
                 rest.append(item)
     except BaseException as e:
-        if batch is not None:
-            batch.close(e)  # raises e, or an error of a record before it
+        if runs is not None:
+            runs.close(e)  # raises e, or an error of a record before it
         raise
     # An incremental digest is updated by each record as it writes: how it moved its tensor's lanes.
-    moved = batch.close() if batch is not None else []
-    batched = list(batch.names) if batch is not None else []  # tensors the kernel changed (re-hashed at the end)
+    moved = runs.close() if runs is not None else []
+    batched = list(runs.names) if runs is not None else []  # tensors the kernel changed (re-hashed at the end)
     raw_records = rest
 
     def decode_and_apply(item: tuple[RecordHeader, memoryview]) -> tuple[PatchRecord | None, np.ndarray | None]:
@@ -525,14 +528,14 @@ _BATCH_CODINGS = (ValueCoding.RAW, ValueCoding.DELTA, *V2_CODINGS)
 
 
 def _batchable(h: RecordHeader, state: MutableMapping[str, torch.Tensor]) -> bool:
-    """Whether fused.apply_batch applies this record: a SPARSE or HISTORY record of a 2-byte float on the CPU."""
+    """Whether batch.apply_batch applies this record: a SPARSE or HISTORY record of a 2-byte float on the CPU."""
     if h.kind not in _BATCH_KINDS or h.coding not in _BATCH_CODINGS:
         return False
     return h.info.width == 2 and h.info.is_float and state[h.name].device.type == "cpu"
 
 
 class _Batch:
-    """SPARSE and HISTORY records of 2-byte floats, applied by the compiled kernel (fused.apply_batch) a run at a time.
+    """SPARSE and HISTORY records of 2-byte floats, applied by the compiled kernel (batch.apply_batch) a run at a time.
 
     Records are added as the patch is parsed. Once a run holds about 1/RANGES_PER_THREAD of a
     thread's share of the patch's payload bytes (the first run, 1/FIRST_RUN_FRACTION of that), its
@@ -577,7 +580,7 @@ class _Batch:
         self.raw = 0  # its payload bytes
         self.runs: list[tuple[list[tuple[RecordHeader, memoryview]], _Run, Future[tuple[int, int, int]]]] = []
         self.runner = Runner(threads)
-        kernel = fused.apply_batch
+        kernel = batch.apply_batch
         assert kernel is not None
         self.kernel = kernel
 
@@ -645,7 +648,7 @@ class _Batch:
 
         payloads = buffer[first_at : first_at + raw + 8]
         payloads[raw:] = 0
-        table = np.array(rows, np.int64).reshape(-1, fused.ROW_COLUMNS)
+        table = np.array(rows, np.int64).reshape(-1, batch.ROW_COLUMNS)
         lanes = np.zeros((len(rows), 2 if self.incremental else 0), np.uint64)
         return _Run(table, payloads, positions, int16s(0), int16s(1), int16s(2), lanes, kept)
 
@@ -671,7 +674,7 @@ class _Batch:
                 end = len(items) if failed < 0 else failed
                 positions_at, deltas_at = run.positions.ctypes.data, run.deltas.ctypes.data
                 news_at = run.news.ctypes.data
-                moved_lanes, outs = run.lanes.tolist(), run.table[:, fused.ROW_OUT].tolist()
+                moved_lanes, outs = run.lanes.tolist(), run.table[:, batch.ROW_OUT].tolist()
                 for index in range(end + 1 if failed >= 0 and done else end):  # and what a failing record wrote
                     h, o = items[index][0], outs[index]
                     n = h.count if index < end else done
@@ -685,7 +688,7 @@ class _Batch:
                         moved.append((h.name, (moved_lanes[index][0], moved_lanes[index][1])))
                 if failed >= 0:
                     h = items[failed][0]
-                    errors.append(CorruptPatchError(f"{record_where(h)}: {_batch_error(status, h)}"))
+                    errors.append(CorruptPatchError(f"{record_where(h)}: {batch.kernel_error(status, h)}"))
         finally:
             futures = [future for _, _, future in self.runs]
             wait(futures)  # (an error above: no run may still write when the caller rolls back)
@@ -699,7 +702,7 @@ class _Batch:
 
 @dataclass
 class _Run:
-    """One run of records for fused.apply_batch: its rows and the buffers it reads and writes."""
+    """One run of records for batch.apply_batch: its rows and the buffers it reads and writes."""
 
     table: np.ndarray
     payloads: np.ndarray
@@ -711,7 +714,7 @@ class _Run:
     kept: list[ChunkHistory]
 
     def arguments(self) -> tuple[np.ndarray, ...]:
-        """fused.apply_batch's arguments."""
+        """batch.apply_batch's arguments."""
         return self.payloads, self.table, self.positions, self.old, self.deltas, self.news, self.lanes
 
 
@@ -731,15 +734,6 @@ def _reference_of(h: RecordHeader, references: dict[ChunkKey, ChunkHistory]) -> 
         )
     positions, deltas = np.ascontiguousarray(reference.positions), np.ascontiguousarray(reference.deltas)
     return ChunkHistory(positions, deltas, (positions.ctypes.data, deltas.ctypes.data, 0))
-
-
-def _batch_error(status: int, h: RecordHeader) -> str:
-    """What fused.apply_batch's status says of record h, worded as the per-record decoders word it."""
-    if status == fused.HISTORY_BITMAP_MISMATCH:
-        return f"the reference bitmap does not mark {h.count - h.new_count} positions"
-    if status == fused.HISTORY_REPEATS:
-        return "a new position repeats one of the reference's"
-    return bits.kernel_error(status, h.length, h.positions == PositionCoding.GAP_CODES)
 
 
 _OUT_BYTES = 14  # a change's outputs in a run's buffer: its position (8 bytes), old value, delta and new value

@@ -16,9 +16,15 @@ import torch
 import zstandard
 
 from pulsesync import mixsum
-from pulsesync.codec import bits
+from pulsesync.codec.codings.class_masks import CLASSES, class_masks_bits, encode_class_masks, magnitude_class
+from pulsesync.codec.codings.gap_codes import encode_gap_codes
+from pulsesync.codec.codings.gaps16 import encode_positions
+from pulsesync.codec.codings.history import match_reference, predicted_offsets
+from pulsesync.codec.codings.small_codes import pack_small
+from pulsesync.codec.codings.value_codes import encode_value_codes
+from pulsesync.codec.codings.values import encode_values, entropy_bytes, host, plane_list, wrapping_sub, zigzag
+from pulsesync.codec.diff import changed_elements
 from pulsesync.codec.format import (
-    CLASSES,
     INDEXED,
     PatchHeader,
     PositionCoding,
@@ -31,6 +37,7 @@ from pulsesync.codec.format import (
 )
 from pulsesync.codec.history import ChunkHistory, ChunkKey, PatchHistory
 from pulsesync.codec.params import CodecParams
+from pulsesync.codec.streams import MatchedStreams, SparseStreams, sparse_streams
 from pulsesync.digest import INCREMENTAL, StateDigest, lane_change, state_digest, update_digest
 from pulsesync.dtypes import DTypeInfo, State, dense_bytes, dtype_info, flat_bits
 from pulsesync.errors import ConfigError
@@ -202,7 +209,7 @@ def _changed_elements(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray,
     if old.device.type != "cpu":
         index = torch.nonzero(old != new).view(-1)
         return index.cpu().numpy(), old.index_select(0, index), new.index_select(0, index)
-    positions, old_values, new_values = bits.changed_elements(old.numpy(), new.numpy())  # ~2-4x torch's on CPU
+    positions, old_values, new_values = changed_elements(old.numpy(), new.numpy())  # ~2-4x torch's on CPU
     return positions, torch.from_numpy(old_values), torch.from_numpy(new_values)
 
 
@@ -254,10 +261,10 @@ def _class_masks(params: CodecParams, chunk: _Chunk, positions: np.ndarray, clas
     info = chunk.info
     if params.format_version < 3 or not (info.is_float and info.width == 2):
         return None
-    old = bits.host(chunk.old)
-    if bits.class_masks_bits(old, classes, *CLASS_MASKS_SAMPLE) * CLASS_MASKS_GAIN > 8 * positions.size:
+    old = host(chunk.old)
+    if class_masks_bits(old, classes, *CLASS_MASKS_SAMPLE) * CLASS_MASKS_GAIN > 8 * positions.size:
         return None
-    table, bitmap = bits.encode_class_masks(old, positions)
+    table, bitmap = encode_class_masks(old, positions)
     masks = [table.tobytes(), bitmap]
     return _section(params, "positions", masks, escapes=len(bitmap), positions=PositionCoding.CLASS_MASKS)
 
@@ -266,7 +273,7 @@ class _Changes:
     """What a sparse record codes of a chunk's changed elements, each part computed once, when first used.
 
     A record of 2-byte floats under format 3 gets them all from one compiled call where numba is
-    installed (bits.sparse_streams: the same bytes as the calls below, in one hand-over of the GIL).
+    installed (sparse_streams: the same bytes as the calls below, in one hand-over of the GIL).
     """
 
     def __init__(
@@ -279,50 +286,48 @@ class _Changes:
         reference: ChunkHistory | None,
     ) -> None:
         self.info, self.positions, self.old_values, self.new_values = info, positions, old_values, new_values
-        self.old = bits.host(old_values)
+        self.old = host(old_values)
         self.reference = reference if reference is not None and reference.deltas.dtype == self.old.dtype else None
         # bf16: each HISTORY residual against the bf16 nearest 2 * old - prev, which follows a move across
         # binades and zero that ordered deltas cannot (13% smaller values on the real LLM).
         residual = ValueCoding.PREDICTED_CODES if info.name == "BF16" else ValueCoding.EXP_CODES
         self.residual_coding = residual if params.format_version >= 3 else ValueCoding.EXP_PLANES
         self.coded = info.is_float and info.width == 2 and params.format_version >= 3  # EXP_CODES, PREDICTED_CODES
-        self.streams: bits.SparseStreams | None = None
+        self.streams: SparseStreams | None = None
         if self.coded:
             ref = (self.reference.positions, self.reference.deltas) if self.reference is not None else None
             predicted = self.residual_coding == ValueCoding.PREDICTED_CODES
-            self.streams = bits.sparse_streams(positions, self.old, bits.host(new_values), ref, predicted)
+            self.streams = sparse_streams(positions, self.old, host(new_values), ref, predicted)
 
     @cached_property
     def gap_codes(self) -> tuple[np.ndarray, bytes]:
         """GAP_CODES of the positions: (codes, extra bits)."""
-        return (
-            (self.streams.gap_codes, self.streams.gap_extra) if self.streams else bits.encode_gap_codes(self.positions)
-        )
+        return (self.streams.gap_codes, self.streams.gap_extra) if self.streams else encode_gap_codes(self.positions)
 
     @cached_property
     def deltas(self) -> np.ndarray:
         """The ordered deltas (encode_values' DELTA), on the host."""
         if self.streams:
             return self.streams.deltas
-        return bits.host(bits.encode_values(self.old_values, self.new_values, self.info, ValueCoding.DELTA))
+        return host(encode_values(self.old_values, self.new_values, self.info, ValueCoding.DELTA))
 
     @cached_property
     def packed_deltas(self) -> tuple[np.ndarray, np.ndarray]:
-        """DELTA's 2-bit codes of the zigzagged deltas and the escaped values (bits.pack_small, offset 1)."""
+        """DELTA's 2-bit codes of the zigzagged deltas and the escaped values (pack_small, offset 1)."""
         if self.streams:
             return self.streams.packed, self.streams.escaped
-        return bits.pack_small(bits.zigzag(self.deltas), 1)
+        return pack_small(zigzag(self.deltas), 1)
 
     @cached_property
     def classes(self) -> np.ndarray | None:
         """The old values' magnitude classes (floats of 2 bytes or more), else None."""
         if not (self.info.is_float and self.info.width >= 2):
             return None
-        return self.streams.classes if self.streams else bits.magnitude_class(self.old)
+        return self.streams.classes if self.streams else magnitude_class(self.old)
 
     @cached_property
     def order(self) -> np.ndarray | None:
-        """The stable order of the classes (bits.magnitude_order), or None."""
+        """The stable order of the classes (magnitude_order), or None."""
         if self.streams:
             return self.streams.order
         return np.argsort(self.classes, kind="stable") if self.classes is not None else None
@@ -339,35 +344,31 @@ class _Changes:
         assert self.order is not None
         if self.streams:
             return self.streams.symbols, self.streams.value_extra
-        return bits.encode_value_codes(self.deltas, self.old, self.order)
+        return encode_value_codes(self.deltas, self.old, self.order)
 
     @cached_property
     def new_entropy(self) -> float:
-        """bits.entropy_bytes of the new values' byte planes."""
-        return (
-            self.streams.new_entropy
-            if self.streams
-            else bits.entropy_bytes(bits.plane_list(bits.host(self.new_values)))
-        )
+        """entropy_bytes of the new values' byte planes."""
+        return self.streams.new_entropy if self.streams else entropy_bytes(plane_list(host(self.new_values)))
 
     @cached_property
-    def matched(self) -> bits.MatchedStreams:
-        """The positions and deltas matched against the reference chunk (bits.MatchedStreams)."""
+    def matched(self) -> MatchedStreams:
+        """The positions and deltas matched against the reference chunk (MatchedStreams)."""
         reference = self.reference
         assert reference is not None
         if self.streams:
             assert self.streams.matched is not None
             return self.streams.matched
-        again, ref_deltas, fresh = bits.match_reference(self.positions, reference.positions, reference.deltas)
+        again, ref_deltas, fresh = match_reference(self.positions, reference.positions, reference.deltas)
         if self.residual_coding == ValueCoding.PREDICTED_CODES:
-            ref_deltas = bits.predicted_offsets(self.old, ref_deltas)
-        residuals = bits.wrapping_sub(self.deltas, ref_deltas)
+            ref_deltas = predicted_offsets(self.old, ref_deltas)
+        residuals = wrapping_sub(self.deltas, ref_deltas)
         bitmap = np.packbits(again, bitorder="little").tobytes()
         codes: tuple[np.ndarray, bytes] | None = None
         if self.coded:
             assert self.order is not None
-            codes = bits.encode_value_codes(residuals, self.old, self.order)
-        return bits.MatchedStreams(bitmap, fresh, bits.encode_gap_codes(fresh), residuals, codes)
+            codes = encode_value_codes(residuals, self.old, self.order)
+        return MatchedStreams(bitmap, fresh, encode_gap_codes(fresh), residuals, codes)
 
 
 def _sparse_record(
@@ -390,7 +391,7 @@ def _sparse_record(
     change = _digest_change(params, chunk, positions, old_values, new_values)
     if not params.adaptive:
         coding = params.coding
-        coded = bits.host(bits.encode_values(old_values, new_values, info, coding))
+        coded = host(encode_values(old_values, new_values, info, coding))
         position = _position_coding(params, positions)
         return _record(params, [position, _value_section(params, coded, coding, offset=1)], None, change, **fields)
     changes = _Changes(params, info, positions, old_values, new_values, reference)
@@ -405,7 +406,7 @@ def _sparse_record(
         position = position if masks is None else _smallest([position, masks])
     value = _smallest(values)
     if changes.new_entropy < RAW_TRY * value.size:  # new values simpler than their moves (a reset, a prune)
-        raw = bits.plane_list(bits.host(new_values))
+        raw = plane_list(host(new_values))
         value = _smallest([value, _section(params, "values", raw, coding=ValueCoding.RAW)])
     sections = [position, value]
     if changes.reference is not None and sum(s.size for s in history_coded) < position.size + value.size:
@@ -442,8 +443,8 @@ def _sorted_values(params: CodecParams, changes: _Changes, residuals: bool = Fal
     """
     order = changes.order
     if not changes.coded or order is None:
-        zigzags = bits.zigzag(changes.matched.residuals if residuals else changes.deltas)
-        planes = bits.plane_list(zigzags if order is None else zigzags[order])
+        zigzags = zigzag(changes.matched.residuals if residuals else changes.deltas)
+        planes = plane_list(zigzags if order is None else zigzags[order])
         return _section(params, "values", planes, **_planes(order))
     codes = changes.matched.codes if residuals else changes.value_codes
     assert codes is not None
@@ -476,13 +477,13 @@ def _position_coding(
     patches), and by 0.1% of their bytes at most: weighing it in larger ones cost ~8% of encode time.
     """
     if params.format_version < 2 or positions.size <= GAPS16_TRY:
-        gaps, escapes = bits.encode_positions(positions)
+        gaps, escapes = encode_positions(positions)
         coding = {"positions": PositionCoding.GAPS16} if params.format_version >= 2 else {}  # (format 1: no field)
-        planes = [*bits.plane_list(gaps), escapes.astype("<u8").tobytes()]
+        planes = [*plane_list(gaps), escapes.astype("<u8").tobytes()]
         gaps16 = _section(params, "positions", planes, escapes=escapes.size, **coding)
         if params.format_version < 2:
             return gaps16
-    codes, extra = gap_codes or bits.encode_gap_codes(positions)
+    codes, extra = gap_codes or encode_gap_codes(positions)
     gap_codes_section = _section(
         params, "positions", [codes.tobytes(), extra], escapes=len(extra), positions=PositionCoding.GAP_CODES
     )
@@ -505,8 +506,7 @@ def _encode_dense(params: CodecParams, chunk: _Chunk, count: int) -> _Record:
     change = _digest_change(params, chunk, None, chunk.old, chunk.new)
     codings = [params.coding] if not params.adaptive else [ValueCoding.DELTA, ValueCoding.RAW]
     values = [
-        _value_section(params, bits.host(bits.encode_values(chunk.old, chunk.new, chunk.info, c)), c, offset=0)
-        for c in codings
+        _value_section(params, host(encode_values(chunk.old, chunk.new, chunk.info, c)), c, offset=0) for c in codings
     ]
     return _record(params, [_smallest(values)], digest_change=change, **fields)
 
@@ -514,24 +514,24 @@ def _encode_dense(params: CodecParams, chunk: _Chunk, count: int) -> _Record:
 def _value_section(params: CodecParams, coded: np.ndarray, coding: ValueCoding, offset: int) -> _Section:
     """Coded values as a section: byte planes, or 2-bit codes plus escaped values' planes."""
     if not coding.packed:
-        return _section(params, "values", bits.plane_list(coded), coding=coding)
+        return _section(params, "values", plane_list(coded), coding=coding)
     if coding == ValueCoding.DELTA:
-        coded = bits.zigzag(coded)
-    return _delta_section(params, *bits.pack_small(coded, offset), coding=coding)
+        coded = zigzag(coded)
+    return _delta_section(params, *pack_small(coded, offset), coding=coding)
 
 
 def _delta_section(
     params: CodecParams, packed: np.ndarray, escaped: np.ndarray, coding: ValueCoding = ValueCoding.DELTA
 ) -> _Section:
     """Packed 2-bit value codes and the escaped values' planes as a section."""
-    parts = [packed.tobytes(), *bits.plane_list(escaped)]
+    parts = [packed.tobytes(), *plane_list(escaped)]
     return _section(params, "values", parts, coding=coding, value_escapes=escaped.size)
 
 
 def _encode_whole(params: CodecParams, kind: RecordKind, name: str, t: torch.Tensor) -> _Record:
     """ADD or REPLACE record: the full tensor, raw bits."""
-    values = bits.host(flat_bits(t))
-    section = _section(params, "values", bits.plane_list(values), coding=ValueCoding.RAW)
+    values = host(flat_bits(t))
+    section = _section(params, "values", plane_list(values), coding=ValueCoding.RAW)
     info, shape, n = dtype_info(t.dtype), tuple(t.shape), values.size
     return _record(params, [section], kind=kind, name=name, dtype=info, shape=shape, length=n, count=n)
 

@@ -30,6 +30,10 @@ import xxhash
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pulsesync.codec.codings.catalog import PositionCoding as PositionCoding  # (re-exported: the format names them)
+from pulsesync.codec.codings.catalog import ValueCoding as ValueCoding
+from pulsesync.codec.codings.class_masks import CLASSES
+from pulsesync.codec.codings.gap_codes import MAX_GAP_BITS
 from pulsesync.digest_algorithms import DigestAlgorithm
 from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
@@ -58,14 +62,6 @@ _SHAPES = [struct.Struct(f"<{ndim}Q") for ndim in range(MAX_NDIM + 1)]  # a reco
 MAX_INDEX_ENTRY = INDEX_ENTRY.size + MAX_NAME_BYTES + 8 * MAX_NDIM
 MAX_INDEX_BYTES = 1 << 28  # a decompressed index: ~1.7M records of 150 bytes
 MAX_NUMEL = 1 << 50
-ESCAPE = 0xFFFF  # a u16 gap of this value means "the real gap is in the escape list"
-SMALL_ESCAPE = 3  # a 2-bit value code of this value means "the value is in the escape planes"
-# GAP_CODES: gaps below GAP_DIRECT are their own code; a gap of b >= 4 bits codes as
-# GAP_DIRECT + 4 (b - 4) + its 2 bits below the top one, followed by its low b - 3 bits in the
-# extra-bits stream. Gaps are below a chunk's length (< 2**30): at most MAX_GAP_BITS bits.
-GAP_DIRECT = 8
-MAX_GAP_BITS = 32
-MAX_GAP_CODE = GAP_DIRECT + 4 * (MAX_GAP_BITS - 4) + 3
 
 
 class RecordKind(enum.IntEnum):
@@ -80,43 +76,9 @@ class RecordKind(enum.IntEnum):
     HISTORY = 6  # (v2) changed positions and values coded against the reference patch's same chunk
 
 
-class ValueCoding(enum.IntEnum):
-    """How changed values are stored; the decoder always produces absolute new values."""
-
-    RAW = 0  # the new bit patterns themselves (what the PULSE paper stores), in byte planes
-    DELTA = 1  # zigzag of the difference of order-preserving bit patterns (one ULP = 1), packed
-    XOR = 2  # new bits XOR old bits, packed
-    PLANES = 3  # (v2) zigzag of the ordered difference, full width, in byte planes
-    EXP_PLANES = 4  # (v2, floats) as PLANES, the values sorted (stably) by the old value's top magnitude byte
-    # (v3, 2-byte floats) as EXP_PLANES, each negated where the old value is negative, as one
-    # symbol byte (2 * the GAP_CODES code of |v| + sign) and |v|'s extra bits in a stream of their own
-    EXP_CODES = 5
-    # (v3, HISTORY records of bf16) as EXP_CODES, each residual taken against the bf16 nearest
-    # 2 * old - prev (a float-space prediction) instead of the reference's ordered delta
-    PREDICTED_CODES = 6
-
-    @property
-    def packed(self) -> bool:
-        """Small-integer codings are stored as 2-bit codes plus escaped full values."""
-        return self in (ValueCoding.DELTA, ValueCoding.XOR)
-
-
-class PositionCoding(enum.IntEnum):
-    """How a SPARSE or HISTORY record stores its changed positions (as gaps: p_i - p_(i-1) - 1)."""
-
-    GAPS16 = 0  # u16 gaps in two byte planes; gaps >= ESCAPE also in full in a u64 escape list (format 1)
-    GAP_CODES = 1  # (v2) one byte per gap: its bit length and top bits; its low bits in an extra-bits stream
-    # (v3, SPARSE records of 2-byte floats) per magnitude class of the old values: none, every
-    # element, or those a bitmap marks changed (the decoder scans the chunk's old values)
-    CLASS_MASKS = 2
-
-
 CODES = (ValueCoding.EXP_CODES, ValueCoding.PREDICTED_CODES)  # values as symbols and extra bits, folded by sign
 V2_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES, *CODES)
 BY_CLASS = (ValueCoding.EXP_PLANES, *CODES)  # values stored sorted by the old values' magnitude class
-CLASSES = 256  # magnitude classes: the 8 bits below the sign
-ENTROPY_SAMPLE = 4096  # the encoder estimates a byte plane's entropy from this many of its bytes
-CLASS_NONE, CLASS_ALL, CLASS_MARKED = 0, 1, 2  # a CLASS_MASKS table entry
 V2_KINDS = (RecordKind.HISTORY,)
 # Field values to members: a dict lookup per record, where the enum constructors cost ~1 us each.
 _KINDS = {k.value: k for k in RecordKind}

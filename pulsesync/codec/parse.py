@@ -16,9 +16,15 @@ import numpy as np
 import xxhash
 import zstandard
 
-from pulsesync.codec import bits, fused
+from pulsesync.codec import batch, jit
+from pulsesync.codec.codings import history as history_coding
+from pulsesync.codec.codings.class_masks import CLASSES
+from pulsesync.codec.codings.gap_codes import decode_gap_codes
+from pulsesync.codec.codings.gaps16 import decode_positions
+from pulsesync.codec.codings.small_codes import check_escape_count, unpack_small, unpack_small_deltas
+from pulsesync.codec.codings.value_codes import decode_value_codes
+from pulsesync.codec.codings.values import from_planes, unzigzag
 from pulsesync.codec.format import (
-    CLASSES,
     CODES,
     FORMAT_VERSION,
     INDEXED,
@@ -59,13 +65,13 @@ class PatchRecord:
     positions: np.ndarray | None  # SPARSE only: int64 positions in [0, header.length)
     values: np.ndarray | None  # coded values (SPARSE/DENSE) or raw bits (ADD/REPLACE)
     # SPARSE delta records of 2-byte floats: the packed value codes and escapes, left for the
-    # fused kernel (values is None; they are decoded here only for a target off the CPU).
+    # compiled kernel (values is None; they are decoded here only for a target off the CPU).
     packed: tuple[np.ndarray, np.ndarray] | None = None
     # HISTORY records: each position's delta in the reference patch (0 where it is new), added to
     # the decoded residuals once they are back in position order.
     ref_deltas: np.ndarray | None = None
     # Format-2 PLANES/EXP_PLANES records of 2-byte floats: the zigzag byte planes, left for the
-    # fused kernel (values is None, as for `packed`).
+    # compiled kernel (values is None, as for `packed`).
     planes: np.ndarray | None = None
     # CLASS_MASKS records: the class table and bitmap (positions is None until codec.apply decodes
     # them against the chunk's old values).
@@ -102,10 +108,10 @@ def decode_record(
     values = buf[positions_len(h, n) :]
     if _fused_planes(h):
         return PatchRecord(h, positions, None, planes=values, class_masks=masks)
-    if fused.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
+    if jit.enabled and h.coding == ValueCoding.DELTA and h.info.is_float and h.info.width == 2:
         packed_len = (n + 3) // 4
-        escaped = bits.from_planes(values[packed_len:], h.value_escapes, np.uint16)
-        bits.check_escape_count(values[:packed_len], n, escaped.size, where)
+        escaped = from_planes(values[packed_len:], h.value_escapes, np.uint16)
+        check_escape_count(values[:packed_len], n, escaped.size, where)
         return PatchRecord(h, positions, None, (values[:packed_len], escaped), class_masks=masks)
     return PatchRecord(h, positions, _decode_value_stream(values, h, n, 1, where), class_masks=masks)
 
@@ -142,15 +148,17 @@ def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | 
     bitmap_len = (h.ref_count + 7) // 8
     again = np.unpackbits(buf[:bitmap_len], count=bitmap_len * 8, bitorder="little").view(bool)
     if again[h.ref_count :].any() or int(np.count_nonzero(again)) != h.count - h.new_count:
-        raise CorruptPatchError(f"{where}: the reference bitmap does not mark {h.count - h.new_count} positions")
+        raise CorruptPatchError(f"{where}: {history_coding.BITMAP_MISMATCH.format(marked=h.count - h.new_count)}")
     again = again[: h.ref_count]
     fresh = _decode_positions(buf[bitmap_len:], h, h.new_count, where)
     values = buf[bitmap_len + positions_len(h, h.new_count) :]
     if reference.deltas.dtype != NP_INT_OF_WIDTH[h.info.width]:
         raise CorruptPatchError(f"{where}: the reference chunk holds {reference.deltas.dtype} deltas for {h.info.name}")
-    if fused.enabled and fused.merge_history is not None:
+    if jit.enabled and history_coding.merge_history_kernel is not None:
         positions, ref_deltas = np.empty(h.count, np.int64), np.empty(h.count, reference.deltas.dtype)
-        merged = fused.merge_history(reference.positions, reference.deltas, again, fresh, positions, ref_deltas)
+        merged = history_coding.merge_history_kernel(
+            reference.positions, reference.deltas, again, fresh, positions, ref_deltas
+        )
     else:
         positions = np.concatenate([reference.positions[again], fresh])
         order = np.argsort(positions, kind="stable")
@@ -158,15 +166,15 @@ def _decode_history(buf: np.ndarray, h: RecordHeader, reference: ChunkHistory | 
         merged = positions.size < 2 or bool((positions[1:] > positions[:-1]).all())
         ref_deltas = np.concatenate([reference.deltas[again], np.zeros(h.new_count, reference.deltas.dtype)])[order]
     if not merged:
-        raise CorruptPatchError(f"{where}: a new position repeats one of the reference's")
+        raise CorruptPatchError(f"{where}: {history_coding.REPEATS}")
     if _fused_planes(h):
         return PatchRecord(h, positions, None, ref_deltas=ref_deltas, planes=values)
     return PatchRecord(h, positions, _decode_value_stream(values, h, h.count, 0, where), ref_deltas=ref_deltas)
 
 
 def _fused_planes(h: RecordHeader) -> bool:
-    """Whether the fused kernel applies this record's byte planes (format-2 values of a 2-byte float)."""
-    kernel = fused.enabled and fused.apply_planes_2byte is not None
+    """Whether batch.apply_planes_2byte applies this record's byte planes (format-2 values of a 2-byte float)."""
+    kernel = jit.enabled and batch.apply_planes_2byte is not None
     return kernel and h.coding in _PLANE_CODINGS and h.info.is_float and h.info.width == 2
 
 
@@ -176,14 +184,14 @@ _PLANE_CODINGS = (ValueCoding.PLANES, ValueCoding.EXP_PLANES)
 def _decode_positions(buf: np.ndarray, h: RecordHeader, n: int, where: str) -> np.ndarray:
     """The first n positions coded at the start of buf, in the record's position coding (each checked < length)."""
     if h.positions == PositionCoding.GAP_CODES:
-        return bits.decode_gap_codes(buf[:n], n, buf[n : n + h.escapes], h.length, where)
-    return bits.decode_positions(buf[: 2 * n], n, buf[2 * n : 2 * n + 8 * h.escapes].view("<u8"), h.length, where)
+        return decode_gap_codes(buf[:n], n, buf[n : n + h.escapes], h.length, where)
+    return decode_positions(buf[: 2 * n], n, buf[2 * n : 2 * n + 8 * h.escapes].view("<u8"), h.length, where)
 
 
 def decode_planes(planes: np.ndarray, h: RecordHeader) -> np.ndarray:
     """Signed deltas (in stored order) from a PLANES/EXP_PLANES record's byte planes."""
     width = h.info.width
-    return bits.unzigzag(bits.from_planes(planes, h.count, NP_UINT_OF_WIDTH[width]), NP_INT_OF_WIDTH[width])
+    return unzigzag(from_planes(planes, h.count, NP_UINT_OF_WIDTH[width]), NP_INT_OF_WIDTH[width])
 
 
 def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, where: str) -> np.ndarray:
@@ -193,17 +201,17 @@ def _decode_value_stream(buf: np.ndarray, h: RecordHeader, n: int, offset: int, 
     PREDICTED_CODES values as they are stored (folded by the old values' signs), in stored order.
     """
     if h.coding in CODES:
-        return bits.decode_value_codes(buf[:n], buf[n : n + h.value_escapes], where)
+        return decode_value_codes(buf[:n], buf[n : n + h.value_escapes], where)
     if h.coding in V2_CODINGS:  # SPARSE and HISTORY records only: n is h.count
         return decode_planes(buf, h)
     np_int = NP_INT_OF_WIDTH[h.info.width]
     if not h.coding.packed:
-        return bits.from_planes(buf, n, np_int)
+        return from_planes(buf, n, np_int)
     packed_len = (n + 3) // 4
-    escaped = bits.from_planes(buf[packed_len:], h.value_escapes, NP_UINT_OF_WIDTH[h.info.width])
+    escaped = from_planes(buf[packed_len:], h.value_escapes, NP_UINT_OF_WIDTH[h.info.width])
     if h.coding == ValueCoding.DELTA:
-        return bits.unpack_small_deltas(buf[:packed_len], n, escaped, offset, where)
-    return bits.unpack_small(buf[:packed_len], n, escaped, offset, where).view(np_int)
+        return unpack_small_deltas(buf[:packed_len], n, escaped, offset, where)
+    return unpack_small(buf[:packed_len], n, escaped, offset, where).view(np_int)
 
 
 class PatchDecoder:

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from safetensors import SafetensorError
 
 from pulsesync import metrics, mixsum, state_cache
-from pulsesync.codec import Changes, StepHistory, fused
+from pulsesync.codec import Changes, StepHistory, batch
 from pulsesync.deadlines import within
 from pulsesync.digest import StateDigest
 from pulsesync.errors import (
@@ -68,7 +68,7 @@ _NOT_A_VERIFICATION_FAILURE = (
 )
 
 
-_KERNEL_WARM_UPS = (fused.warm_up, mixsum.warm_up)  # the decode kernels and the digest's
+_KERNEL_WARM_UPS = (batch.warm_up, mixsum.warm_up)  # the decode kernels and the digest's
 
 
 class Subscriber:
