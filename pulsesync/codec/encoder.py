@@ -272,7 +272,7 @@ def _class_masks(params: CodecParams, chunk: _Chunk, positions: np.ndarray, clas
 class _Changes:
     """What a sparse record codes of a chunk's changed elements, each part computed once, when first used.
 
-    A record of 2-byte floats under format 3 gets them all from one compiled call where numba is
+    A record of 2-byte floats under format 3 or later gets them all from one compiled call where numba is
     installed (sparse_streams: the same bytes as the calls below, in one hand-over of the GIL).
     """
 
@@ -435,7 +435,7 @@ CODES_BLOCK = 4096  # EXP_CODES: a magnitude class of this many values gets zstd
 def _sorted_values(params: CodecParams, changes: _Changes, residuals: bool = False) -> _Section:
     """The deltas (or, `residuals`, the HISTORY residuals) by the old values' magnitude class where there are classes.
 
-    2-byte floats (format 3): EXP_CODES, or PREDICTED_CODES for residuals against a prediction,
+    2-byte floats (format 3 on): EXP_CODES, or PREDICTED_CODES for residuals against a prediction,
     each class of CODES_BLOCK values or more in zstd blocks of its own (the classes' moves differ
     by orders of magnitude: a Huffman table per class measured 3% smaller values on a real LLM).
     EXP_PLANES was smaller on no record of the real LLM: not worth compressing too. Wider floats

@@ -27,7 +27,7 @@ class CodecParams(BaseModel):
     value_coding: ValueCodingName = Field(
         "adaptive",
         description="adaptive (format 2+): per record the smallest of the codings below, PLANES, EXP_PLANES "
-        "(format 3: EXP_CODES, PREDICTED_CODES, CLASS_MASKS) and HISTORY (delta under format 1); "
+        "(format 3+: EXP_CODES, PREDICTED_CODES, CLASS_MASKS) and HISTORY (delta under format 1); "
         "delta: 2-bit codes of the ordered bit-pattern difference; "
         "raw: the new values themselves, as the PULSE paper stores them; xor: new XOR old",
     )

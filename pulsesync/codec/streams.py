@@ -36,7 +36,7 @@ class MatchedStreams:
 
 @dataclass(frozen=True)
 class SparseStreams:
-    """What the encoder codes of a sparse record of 2-byte floats (format 3), made in one compiled call."""
+    """What the encoder codes of a sparse record of 2-byte floats (format 3 on), made in one compiled call."""
 
     gap_codes: np.ndarray  # GAP_CODES of the positions
     gap_extra: bytes
