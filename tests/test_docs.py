@@ -230,8 +230,9 @@ def machine(moto_endpoint: str, tmp_path: Path, request: pytest.FixtureRequest) 
 
     states = trainer_states(len(STEPS))
     for step, state in zip(STEPS, states, strict=True):
-        write_checkpoint(Path(world.fill(f"/ckpts/checkpoint-{step}")), state, {"config.json": "{}"})
-        settled(Path(world.fill(f"/ckpts/checkpoint-{step}")))  # a trainer's checkpoints, written earlier
+        checkpoint = Path(world.fill(f"/ckpts/checkpoint-{step}"))
+        write_checkpoint(checkpoint, state, {"config.json": "{}"})
+        settled(checkpoint)  # a trainer's checkpoints, written earlier
     (tmp_path / "configs").mkdir()
     for config in (ROOT / "configs").glob("*.yaml"):
         (tmp_path / "configs" / config.name).write_text(world.fill(config.read_text()))

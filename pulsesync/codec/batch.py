@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pulsesync.codec import jit
+from pulsesync.codec import diff, jit
 from pulsesync.codec.codings import class_masks, gap_codes, gaps16, history, small_codes, value_codes
 from pulsesync.codec.codings.class_masks import CLASSES
 from pulsesync.codec.codings.class_masks import class_positions_kernel as _class_positions_k
@@ -624,8 +624,6 @@ def warm_up() -> None:
     ~0.5 s inside a sync."""
     if not jit.enabled or apply_batch is None:
         return
-    from pulsesync.codec import diff  # (the encoder's: the publisher warms up here too)
-
     # Payload buffers are read-only views of the decompressed bytes: numba compiles those apart.
     planes, escapes, positions = np.frombuffer(bytes(2), np.uint8), np.zeros(0, np.uint64), np.zeros(1, np.int64)
     gaps16.decode_positions_kernel(planes, 1, escapes, 1, positions)

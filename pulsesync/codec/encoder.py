@@ -73,7 +73,7 @@ class _Record:
     raw_len: int
     history: tuple[ChunkKey, ChunkHistory] | None = None
     coding: str = ""  # "KIND/CODING", for the manifest's summary
-    wire: Counter[str] = field(default_factory=Counter)  # bytes of `data` by role (see EncodedPatch.wire)
+    wire: Counter[str] = field(default_factory=Counter)  # bytes of `payload` by role, framing aside (EncodedPatch.wire)
     digest_change: tuple[str, tuple[int, int]] | None = None  # (tensor, how its mixsum lanes moved)
 
 
@@ -187,7 +187,6 @@ def _record(
     sizes = iter(part_sizes)
     for section in sections:
         wire[section.role] += sum(next(sizes) for _ in section.parts)
-    wire["framing"] = len(payload) - sum(wire.values())  # the zstd frame's own bytes
     return _Record(head, payload, head.count, raw_len, history, coding, wire, digest_change)
 
 
@@ -702,8 +701,7 @@ def _assemble(
     wire = {"positions": 0, "values": 0}
     for r in records:
         for role, size in r.wire.items():
-            if role != "framing":
-                wire[role] += size
+            wire[role] += size
     wire["framing"] = len(data) - wire["positions"] - wire["values"]  # headers or index, zstd frames
     return data, codings, wire
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from pulsesync.codec import jit
-from pulsesync.codec.codings.status import POSITIONS_OK, describe
+from pulsesync.codec.codings.status import POSITIONS_OK, check
 from pulsesync.errors import CorruptPatchError
 
 CLASSES = 256  # magnitude classes: the 8 bits below the sign
@@ -85,9 +85,7 @@ def decode_class_masks(old: np.ndarray, table: np.ndarray, bitmap: np.ndarray, c
     """
     if jit.enabled and class_positions_kernel is not None:
         positions = np.empty(count, np.int64)
-        status = class_positions_kernel(old, table, bitmap, positions)
-        if status != POSITIONS_OK:
-            raise CorruptPatchError(f"{where}: {describe(status, old.size, ERRORS)}")
+        check(class_positions_kernel(old, table, bitmap, positions), old.size, where, ERRORS)
         return positions
     if int(table.max()) > CLASS_MARKED:
         raise CorruptPatchError(f"{where}: {_CLASS_TABLE_INVALID}")

@@ -20,7 +20,7 @@ from pulsesync.codec.codings.status import (
     POSITIONS_ESCAPES_MISMATCH,
     POSITIONS_OK,
     POSITIONS_OUTSIDE,
-    describe,
+    check,
 )
 from pulsesync.codec.jit import load_le64 as _load_le64
 from pulsesync.errors import CorruptPatchError
@@ -119,9 +119,7 @@ def decode_gap_codes(codes: np.ndarray, count: int, extra: np.ndarray, length: i
     codes = codes[:count]
     if jit.enabled and decode_gap_codes_kernel is not None:
         positions = np.empty(count, np.int64)
-        status = decode_gap_codes_kernel(codes, extra, length, positions)
-        if status != POSITIONS_OK:
-            raise CorruptPatchError(f"{where}: {describe(status, length, ERRORS)}")
+        check(decode_gap_codes_kernel(codes, extra, length, positions), length, where, ERRORS)
         return positions
     try:
         gaps = decode_length_codes(codes, extra, _GAP_CODE_INVALID, _GAP_EXTRA_MISMATCH)

@@ -16,7 +16,7 @@ from pulsesync.codec.codings.status import (
     POSITIONS_ESCAPES_MISMATCH,
     POSITIONS_OK,
     POSITIONS_OUTSIDE,
-    describe,
+    check,
 )
 from pulsesync.codec.codings.values import from_planes
 from pulsesync.errors import CorruptPatchError
@@ -59,9 +59,7 @@ def decode_positions(planes: np.ndarray, count: int, escapes: np.ndarray, length
     """
     if jit.enabled and decode_positions_kernel is not None:
         positions = np.empty(count, np.int64)
-        status = decode_positions_kernel(planes, count, escapes, length, positions)
-        if status != POSITIONS_OK:
-            raise CorruptPatchError(f"{where}: {describe(status, length, ERRORS)}")
+        check(decode_positions_kernel(planes, count, escapes, length, positions), length, where, ERRORS)
         return positions
     gaps16 = from_planes(planes, count, np.uint16)
     gaps = gaps16.astype(np.int64)

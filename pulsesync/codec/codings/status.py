@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pulsesync.errors import CorruptPatchError
+
 POSITIONS_OK, POSITIONS_ESCAPES_MISMATCH, POSITIONS_OUTSIDE = 0, 1, 3
 OUTSIDE = "a position is outside the chunk of {length}"  # every position decoder, both paths
 
@@ -18,3 +20,9 @@ def describe(status: int, length: int, *errors: Mapping[int, str]) -> str:
         if status in table:
             return table[status].format(length=length)
     raise KeyError(f"kernel status {status}")
+
+
+def check(status: int, length: int, where: str, *errors: Mapping[int, str]) -> None:
+    """CorruptPatchError naming `where` and what `status` means, unless it is POSITIONS_OK."""
+    if status != POSITIONS_OK:
+        raise CorruptPatchError(f"{where}: {describe(status, length, *errors)}")
