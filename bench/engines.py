@@ -6,7 +6,7 @@ percent of elements per step as in docs/benchmarks.md's real LLM fine-tune) and 
 `pulsesync.publisher.Publisher`; two real vLLM CPU servers (`PULSESYNC_VLLM_PYTHON`, the venv
 `.ci/run` builds), one with `--tensor-parallel-size 1` and one with 2, started side by side, are
 fed by one subscriber: the slow path to step 2, then the same fast-path patch to both.
-Per worker, from its `pulsesync_apply` reply:
+Both run pulsesync's weight-transfer backend. Per worker, from its apply reply:
 
   received    tensor bytes of the update file it read (TP=2: its cut of the delta)
   kept        bytes of its own copy of the modules it rebuilds (CPU: the repacked linear layers
@@ -14,8 +14,24 @@ Per worker, from its `pulsesync_apply` reply:
   apply       seconds to validate, write, and rebuild the touched modules
 
 Bit-exact: each worker's digest of what it holds equals the digest of its region of the step.
+
+The pause, per fast-path step on a real TP=1 server (pulsesync's weight-transfer backend), for the
+real SmolLM2-135M (fine-tuned with AdamW at lr 1e-6 on English text, bench/real_llm.py) and a
+random-weight Llama of 0.5B (Qwen2-0.5B's shape; AdamW at lr 1e-6 on random tokens; quick: 0.2B).
+A `pulsesync subscribe` daemon (`Subscriber.run`, poll_seconds 0.2) feeds the server while the
+trainer's `Publisher.publish()` publishes each step:
+
+  publish_to_served  from publish() returning to GET /weight_info naming the step
+  before_pause       from publish() returning to the pause: the poll, fetch, verify and decode,
+                     and `prepare` (the sink's layouts and update files)
+  pause              requests held by the engine: POST /pause to /resume's reply, of which
+                     `apply` (start, update, commit, finish on every worker) and `reset` (prefix cache)
+  full_reload        in the same run, vLLM reloading the same step from a full checkpoint on disk
+                     (`collective_rpc reload_weights {"weights_path"}`), the alternative to a patch
+
 Contracts (exit 1 when broken): bit-exact; the largest TP=2 worker's received and kept bytes
-<= 0.6x the TP=1 worker's. Without a vLLM venv it says so and exits 1.
+<= 0.6x the TP=1 worker's; at every size, each step's pause <= full_reload. Without a vLLM venv
+it says so and exits 1.
 
     PULSESYNC_VLLM_PYTHON=.venv-vllm/bin/python python bench/engines.py --quick --json out.json
 """
@@ -25,8 +41,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +54,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from contracts import Contract, enforce
 
+from bench.real_llm import fine_tune, smollm2_gguf
 from pulsesync.protocol import signing
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import VLLMSinkConfig
+from pulsesync.sinks.http import EngineClient
 from pulsesync.sinks.vllm import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, workers_hold
+from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, ranks_hold
+from tests.support.vllm_workload import weight_info
 
 
 def llama(hidden: int, layers: int) -> dict[str, Any]:
@@ -61,7 +82,22 @@ def llama(hidden: int, layers: int) -> dict[str, Any]:
     }
 
 
-def train(root: Path, config: dict[str, Any], steps: int) -> list[dict[str, torch.Tensor]]:
+# Qwen2-0.5B's shape as a Llama (hidden 896, 24 layers, 14 heads / 2 KV heads, tied 151,936-token embedding):
+# the largest dense model that trains and serves side by side on this 2-core, 23 GB machine.
+LLAMA_05B = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+LLAMA_02B = LLAMA_05B | {"vocab_size": 32000, "num_hidden_layers": 16}  # quick
+
+
+def train(root: Path, config: dict[str, Any], steps: int, batch: int = 2) -> list[dict[str, torch.Tensor]]:
     """The launch checkpoint in root/launch, and the bf16 state after each AdamW step."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -77,12 +113,91 @@ def train(root: Path, config: dict[str, Any], steps: int) -> list[dict[str, torc
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # an RL fine-tune's rate: a sparse bf16 patch
     states = []
     for _ in range(steps):
-        ids = torch.randint(0, config["vocab_size"], (2, 32))
+        ids = torch.randint(0, config["vocab_size"], (batch, 32))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         states.append({n: t.detach().to(torch.bfloat16).clone() for n, t in model.state_dict().items()})
     return states
+
+
+def smollm2(root: Path, steps: int) -> list[dict[str, torch.Tensor]]:
+    """SmolLM2-135M's launch checkpoint in root/launch (its real weights), and the states of its fine-tune."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(root / "launch")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    model.save_pretrained(root / "launch")
+    return fine_tune(steps)[1:]
+
+
+def checkpoint_dir(root: Path, launch: Path, state: dict[str, torch.Tensor]) -> Path:
+    """A full checkpoint of `state` on disk, beside the launch checkpoint's config and tokenizer."""
+    from safetensors.torch import save_file
+
+    out = root / "full-checkpoint"
+    shutil.copytree(launch, out, ignore=shutil.ignore_patterns("*.safetensors*"), dirs_exist_ok=True)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+async def pause(root: Path, size: str, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Publish step by step to a daemon-fed TP=1 server: each fast-path step's pause and its split; a full reload."""
+    key = Ed25519PrivateKey.generate()
+    store = FileStore(root / "store")
+    server = VLLMServer(root / "launch", root / "vllm.log", eager=True, engine_api="weight_transfer").start(600)
+    steps: list[dict[str, float]] = []
+    try:
+        sink = VLLMSinkConfig(url=server.url, update_dir=root / "updates")
+        config = SubscriberConfig(sinks=[sink], poll_seconds=0.2)
+        subscriber = Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]))
+        vllm_sink = subscriber.sinks[0]
+        assert isinstance(vllm_sink, VLLMSink)
+        stop = asyncio.Event()
+        daemon = asyncio.ensure_future(subscriber.run(stop))
+        publisher = Publisher(
+            PublisherConfig(anchor_interval=100, on_backpressure="block"), store=store, signing_key=key
+        )
+        try:
+            for step, state in enumerate(states, 1):
+                await asyncio.to_thread(publisher.publish, step, state)
+                published = time.time()
+                while not (await weight_info(server.url)).startswith(f"pulsesync:{step}:"):
+                    assert not daemon.done(), daemon
+                    await asyncio.sleep(0.005)
+                served = time.time()
+                sent = vllm_sink.last_update
+                assert sent is not None and sent.step == step
+                if sent.base is not None:  # a fast-path step (the first is the launch checkpoint's full update)
+                    s = sent.seconds
+                    steps.append(
+                        {
+                            "step": step,
+                            "publish_to_served_s": served - published,
+                            "before_pause_s": s["paused_at"] - published,
+                            "prepare_s": s["prepare"],
+                            "pause_s": s["pause"],
+                            "apply_s": s["apply"],
+                            "reset_s": s["reset"],
+                            "update_bytes": sent.nbytes,
+                        }
+                    )
+        finally:
+            publisher.close()
+            stop.set()
+            await daemon
+            await subscriber.close()
+        full = checkpoint_dir(root, root / "launch", states[-1])
+        async with EngineClient(server.url, None, 1200) as engine:
+            started = time.perf_counter()
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(full)}, "timeout": 1200}
+            await engine.post("/collective_rpc", body)
+            full_reload_s = time.perf_counter() - started
+    finally:
+        server.stop()
+    parameters = sum(t.numel() for t in states[-1].values())
+    return {"size": size, "parameters": parameters, "steps": steps, "full_reload_s": full_reload_s}
 
 
 async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +209,9 @@ async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
         for step, state in enumerate(states, 1):
             pub.publish(step, state)
         pub.flush()
-    servers = {tp: VLLMServer(root / "launch", root / f"vllm-tp{tp}.log", tp) for tp in (1, 2)}
+    servers = {
+        tp: VLLMServer(root / "launch", root / f"vllm-tp{tp}.log", tp, engine_api="weight_transfer") for tp in (1, 2)
+    }
     try:
         for server in servers.values():
             server.launch()
@@ -117,7 +234,7 @@ async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
                 "received_bytes": [int(w["received_bytes"]) for w in workers],
                 "kept_bytes": [int(w["kept_bytes"]) for w in workers],
                 "apply_s": [float(w["seconds"]) for w in workers],
-                "bit_exact": await workers_hold(server.url, states[2], digest.root),
+                "bit_exact": await ranks_hold(server.url, root / f"updates-{tp}", states[2], digest.root),
             }
         await subscriber.close()
         changed = sum(int((states[2][n].view(torch.int16) != t.view(torch.int16)).sum()) for n, t in states[1].items())
@@ -133,6 +250,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers (CI)")
     parser.add_argument("--hidden", type=int, help="model width (default 512; quick 256)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
+    parser.add_argument(
+        "--sizes", nargs="+", choices=["smollm2-135m", "llama-0.2b", "llama-0.5b"],
+        help="models whose pause is measured (default: smollm2-135m and llama-0.5b; quick: llama-0.2b)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
     args = parser.parse_args()
@@ -143,6 +264,17 @@ def main() -> None:
     config = llama(args.hidden or (256 if args.quick else 512), args.layers or (4 if args.quick else 8))
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-engines-") as tmp:
         runs = asyncio.run(run(Path(tmp), config))
+    pauses = []
+    for size in args.sizes or ["smollm2-135m", "llama-0.2b" if args.quick else "llama-0.5b"]:
+        with tempfile.TemporaryDirectory(prefix="pulsesync-bench-engines-") as tmp:
+            root = Path(tmp)
+            steps = 3 if args.quick else 5
+            if size == "smollm2-135m":
+                states = smollm2(root, steps)
+            else:
+                states = train(root, LLAMA_02B if size == "llama-0.2b" else LLAMA_05B, steps, batch=1)
+            pauses.append(asyncio.run(pause(root, size, states)))
+            del states
     one, two = runs["1"], runs["2"]
     print(f"Llama hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, bf16; one fast-path patch")
     print(f"the patch changes {runs['density']:.2%} of the elements")
@@ -150,7 +282,28 @@ def main() -> None:
     for tp, r in [(tp, runs[tp]) for tp in ("1", "2")]:
         for rank, (got, kept, s) in enumerate(zip(r["received_bytes"], r["kept_bytes"], r["apply_s"], strict=True)):
             print(f"{tp:>3} {rank:>6} {got / 1e6:>12.3f} {kept / 1e6:>9.3f} {s:>8.4f} {r['bit_exact']!s:>10}")
+    print(
+        f"\n{'model':<14} {'params':>7} {'step':>4} {'publish->served s':>17} {'before pause s':>14} {'prepare s':>9} "
+        f"{'pause s':>8} {'apply s':>8} {'reset s':>8} {'full reload s':>13}"
+    )
+    for p in pauses:
+        for st in p["steps"]:
+            print(
+                f"{p['size']:<14} {p['parameters'] / 1e6:>6.0f}M {st['step']:>4} {st['publish_to_served_s']:>17.3f} "
+                f"{st['before_pause_s']:>14.3f} {st['prepare_s']:>9.3f} {st['pause_s']:>8.3f} {st['apply_s']:>8.3f} "
+                f"{st['reset_s']:>8.3f} {p['full_reload_s']:>13.3f}"
+            )
     result = {
+        "pause": {
+            p["size"]: {
+                "pause_s": max(st["pause_s"] for st in p["steps"]),
+                "full_reload_s": p["full_reload_s"],
+                "publish_to_served_s": max(st["publish_to_served_s"] for st in p["steps"]),
+                "pause_over_full_reload": max(st["pause_s"] for st in p["steps"]) / p["full_reload_s"],
+            }
+            | p
+            for p in pauses
+        },
         "worker_bytes_tp2_over_tp1": max(two["received_bytes"]) / one["received_bytes"][0],
         "worker_kept_bytes_tp2_over_tp1": max(two["kept_bytes"]) / one["kept_bytes"][0],
         "bit_exact": one["bit_exact"] and two["bit_exact"],
@@ -170,6 +323,10 @@ def main() -> None:
             Contract("bit_exact", float(result["bit_exact"]), 1.0, at_most=False),
             Contract("worker_bytes_tp2_over_tp1", result["worker_bytes_tp2_over_tp1"], 0.6),
             Contract("worker_kept_bytes_tp2_over_tp1", result["worker_kept_bytes_tp2_over_tp1"], 0.6),
+            *(
+                Contract(f"pause_over_full_reload[{size}]", p["pause_over_full_reload"], 1.0)
+                for size, p in result["pause"].items()
+            ),
         ]
     )
 

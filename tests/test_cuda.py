@@ -25,7 +25,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.rebuild import reconstruct
-from pulsesync.sinks.vllm_worker import WeightApplier
+from pulsesync.sinks.vllm_applier import WeightApplier
 from pulsesync.sinks.weight_update import build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber

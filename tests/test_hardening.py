@@ -601,9 +601,19 @@ async def test_disk_full_in_the_directory_sink_and_cache_keeps_the_daemon_servin
         {"/is_sleeping": (200, b"[1, 2]")},
         {"layout": (200, b'{"results": [{"w": 5}]}')},
         {"layout": (200, b'{"results": [{"aliases": ["a"]}]}')},
+        {"/weight_info": (200, b"\xff\xfe")},
+        {"/init_weight_transfer_engine": (500, b"\xff\xfe boom")},
+        {"rank-0.json": (0, b"\xff\xfe")},
+        {"rank-0.json": (0, b'{"session": "x", "verb": "init", "rank": 0, "world": 1}')},
+        {"rank-0.json": (0, b"[" * 100_000)},
+        {"rank-0.json": (0, b" " * ((64 << 20) + 1))},
     ],
-    ids=["500-binary", "200-binary", "sleeping-binary", "sleeping-list", "layout-shapes", "layout-bad-alias"],
-)
+    ids=[
+        "500-binary", "200-binary", "sleeping-binary", "sleeping-list", "layout-shapes", "layout-bad-alias",
+        "transfer-version-binary", "transfer-init-500", "transfer-reply-binary", "transfer-reply-other-session",
+        "transfer-reply-deep", "transfer-reply-oversized",
+    ],
+)  # fmt: skip
 async def test_odd_vllm_replies_are_engine_errors(
     replies: dict[str, tuple[int, bytes]],
     store: Store,
@@ -617,14 +627,21 @@ async def test_odd_vllm_replies_are_engine_errors(
     from pulsesync.errors import EngineError
     from pulsesync.sinks.vllm import VLLMSink, VLLMSinkConfig
 
+    extension = any(k in replies for k in ("/collective_rpc", "/is_sleeping", "layout"))
+    updates = tmp_path / "u"
+
     async def handle(request: web.Request) -> web.Response:
         body = await request.read()
         path = "layout" if b"pulsesync_layout" in body else request.path
         if path in replies:
             status, payload = replies[path]
             return web.Response(status=status, body=payload)
+        if request.path == "/init_weight_transfer_engine" and "rank-0.json" in replies:
+            (updates / "rank-0.json").write_bytes(replies["rank-0.json"][1])  # what a broken backend leaves
         if request.path == "/collective_rpc":
             return web.json_response({"results": [{"digest": None}]})
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": "default"})
         return web.json_response({"is_sleeping": False} if request.path == "/is_sleeping" else {})
 
     app = web.Application()
@@ -634,7 +651,9 @@ async def test_odd_vllm_replies_are_engine_errors(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    sink = VLLMSink(VLLMSinkConfig(url=f"http://127.0.0.1:{port}", update_dir=tmp_path / "u", timeout_seconds=10))
+    api = "worker_extension" if extension else "weight_transfer"
+    config = VLLMSinkConfig(url=f"http://127.0.0.1:{port}", update_dir=updates, timeout_seconds=10, engine_api=api)
+    sink = VLLMSink(config)
     sub = subscriber(store, key)
     sub.sinks = [sink]
     try:

@@ -2,8 +2,8 @@
 
 The real loop runs in tests/test_grpo_loop.py (`-m engine`). Here an HTTP server on 127.0.0.1
 answers as vLLM 0.32's OpenAI server does (`CompletionResponse`: `choices[].index`, `token_ids`
-with `return_token_ids`, `logprobs.token_logprobs`; `/collective_rpc`'s `{"results": [...]}`, one
-per worker: vllm/entrypoints/openai/completion/protocol.py and serve/dev), then breaks one reply
+with `return_token_ids`, `logprobs.token_logprobs`; `GET /weight_info`'s `{"weight_version": ...}`:
+vllm/entrypoints/openai/completion/protocol.py and rl/online/api_router.py), then breaks one reply
 at a time: every odd reply is an EngineError or a PolicyLagError, never a crash or a label.
 """
 
@@ -23,10 +23,10 @@ Reply = Callable[[dict[str, Any]], web.Response]
 
 
 class Engine:
-    """What the workers hold, each /v1/completions body seen, and replies to break on cue."""
+    """The engine's weight version, each /v1/completions body seen, and replies to break on cue."""
 
     def __init__(self) -> None:
-        self.held: list[dict[str, Any]] = [{"step": 4, "digest": "d4"}, {"step": 4, "digest": "d4"}]
+        self.version: object = "pulsesync:4:d4"
         self.bodies: list[dict[str, Any]] = []
         self.completions: Reply | None = None  # None: a well-formed reply
 
@@ -34,8 +34,8 @@ class Engine:
         body = json.loads(await request.read() or b"{}")
         if request.path == "/v1/models":
             return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-        if request.path == "/collective_rpc":
-            return web.json_response({"results": self.held})
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": self.version})
         self.bodies.append(body)
         if self.completions is not None:
             return self.completions(body)
@@ -117,20 +117,15 @@ async def test_an_odd_completions_reply_is_an_engine_error(engine: tuple[Engine,
 
 
 @pytest.mark.parametrize(
-    "held",
-    [
-        [{"step": 4, "digest": "d4"}, {"step": 3, "digest": "d3"}],  # the workers disagree (mid-update, a failure)
-        [{"step": None, "digest": None}],  # the launch checkpoint: unknown
-        [{"step": "4", "digest": "d4"}],
-        [{"step": True, "digest": "d4"}],
-    ],
-    ids=["workers-disagree", "unknown", "step-str", "step-bool"],
+    "version",
+    ["default", "someone-else:4:d4", "pulsesync:4", "pulsesync:-4:d4", "pulsesync:4:d4 ", 4, None, "pulsesync:" * 40],
+    ids=["default", "another-writer", "truncated", "negative", "trailing", "int", "null", "oversized"],
 )
 async def test_an_engine_that_holds_no_known_step_is_waited_for_then_a_lag_error(
-    engine: tuple[Engine, str], held: list[dict[str, Any]]
+    engine: tuple[Engine, str], version: object
 ) -> None:
     state, url = engine
-    state.held = held
+    state.version = version
     with pytest.raises(PolicyLagError, match=r"holds no verified step after 0\.3s; the trainer is at step 5"):
         await RolloutClient(url, max_lag=3, lag_timeout_seconds=0.3, poll_seconds=0.05).generate([[1]], 5)
     assert state.bodies == []  # nothing generated on an unknown policy
@@ -142,8 +137,8 @@ async def test_a_batch_whose_policy_changes_every_time_gives_up_with_an_engine_e
     state, url = engine
 
     def moving(body: dict[str, Any]) -> web.Response:
-        step = state.held[0]["step"] + 1
-        state.held = [{"step": step, "digest": f"d{step}"}]  # an update lands during every attempt
+        step = int(str(state.version).split(":")[1]) + 1
+        state.version = f"pulsesync:{step}:d{step}"  # an update lands during every attempt
         return web.json_response({"choices": [{"index": 0, "token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}}]})
 
     state.completions = moving
@@ -177,7 +172,7 @@ async def test_a_batch_an_aborting_update_failed_is_generated_again_on_the_new_s
     state, url = engine
 
     def aborted_by_an_update(body: dict[str, Any]) -> web.Response:
-        state.held = [{"step": 5, "digest": "d5"}]
+        state.version = "pulsesync:5:d5"
         state.completions = None  # the retry gets a well-formed reply
         return web.Response(status=500, text='{"error": "request aborted"}')
 

@@ -66,7 +66,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
         proxy = EngineProxy(engine.url)
         url = await proxy.start()
         updates = tmp_path / "updates"
-        sink = VLLMSinkConfig(url=url, update_dir=updates)
+        sink = VLLMSinkConfig(url=url, update_dir=updates, engine_api="worker_extension")
         out = DirectorySinkConfig(out_dir=tmp_path / "out", keep=STEPS)
         config_file = tmp_path / "subscribe.yaml"
         config_file.write_text(

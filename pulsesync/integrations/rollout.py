@@ -1,12 +1,13 @@
 """Rollouts from a vLLM server fed by `pulsesync subscribe`, each tagged with the policy step that made it.
 
-The engine side already knows which verified step it holds (the worker extension's
-`pulsesync_held`). A batch is generated between two reads of it: when both reads name the same
-step and state digest, no update landed while the batch ran (updates only ever change what
-is held), so every completion of the batch came from that step. When they differ, the batch is
-generated again (`ROLLOUT_RETRIES`), never labelled with a guess. The vllm sink's default
-`pause_mode: wait` drains running requests before an update, so a retry is rare: only a batch
-that straddles an update's pause pays it.
+The engine names the verified step every worker holds in its weight version (`GET /weight_info`,
+vLLM 0.32+, written by the vllm sink on either engine path once every worker holds it; any string
+that is not pulsesync's counts as no verified step). A batch is generated between two reads of it:
+when both reads name the same step and state digest, no update landed while the batch ran (updates
+only ever change what is held), so every completion of the batch came from that step. When they
+differ, the batch is generated again (`ROLLOUT_RETRIES`), never labelled with a guess. The vllm
+sink's default `pause_mode: wait` drains running requests before an update, so a retry is rare: only
+a batch that straddles an update's pause pays it.
 
 Bounded staleness: before generating, wait until the engine holds a step of at least the
 trainer's step minus `max_lag` (`PolicyLagError` after `lag_timeout_seconds`, and at once for a
@@ -27,7 +28,8 @@ from typing import Any
 from pulsesync.errors import EngineError, PolicyLagError
 from pulsesync.metrics import ROLLOUT_LAG_WAIT_SECONDS, ROLLOUT_POLICY_LAG, ROLLOUT_RETRIES
 from pulsesync.sinks.http import EngineClient, reply_field
-from pulsesync.sinks.vllm import HeldPolicy, held_policy
+from pulsesync.sinks.vllm_sessions import weight_version
+from pulsesync.sinks.weight_version import HeldPolicy
 
 log = logging.getLogger("pulsesync.rollout")
 
@@ -92,10 +94,10 @@ class RolloutClient:
                 try:
                     replies = await asyncio.gather(*(engine.post("/v1/completions", b) for b in bodies))
                 except EngineError:  # an update's `pause_mode: abort` fails running requests: retry then
-                    if await held_policy(engine, self.request_timeout_seconds) == policy:
+                    if await weight_version(engine) == policy:
                         raise
                     replies = None
-                after = await held_policy(engine, self.request_timeout_seconds)
+                after = await weight_version(engine)
                 if replies is not None and after == policy:
                     completions = [
                         c for (ids, n), r in zip(groups, replies, strict=True) for c in self._parse(r, ids, n, policy)
@@ -117,7 +119,7 @@ class RolloutClient:
         """What the engine holds once it is within max_lag of trainer_step; PolicyLagError otherwise."""
         deadline = time.monotonic() + self.lag_timeout_seconds
         while True:
-            held = await held_policy(engine, self.request_timeout_seconds)
+            held = await weight_version(engine)
             if held is not None and held.step > trainer_step:
                 raise PolicyLagError(
                     f"rollout: {self.url} holds step {held.step}, newer than the trainer's step {trainer_step} "

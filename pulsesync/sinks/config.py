@@ -44,17 +44,28 @@ class SGLangSinkConfig(BaseModel):
 
 
 class VLLMSinkConfig(BaseModel):
-    """Apply each verified state to a vLLM server through pulsesync's worker extension (collective_rpc)."""
+    """Apply each verified state to a vLLM server: its weight-transfer API, or pulsesync's worker extension."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["vllm"] = "vllm"
     url: str = Field(description="the vLLM server, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1)")
-    update_dir: Path = Field(description="where update files are written; the vLLM workers must read this path")
+    engine_api: Literal["weight_transfer", "worker_extension"] = Field(
+        "weight_transfer",
+        description="weight_transfer: vLLM 0.32+ started with --weight-transfer-config "
+        '\'{"backend": "pulsesync"}\'; worker_extension: started with --worker-extension-cls '
+        "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension",
+    )
+    update_dir: Path = Field(
+        description="where update files (and the backend's reply files) are written; the vLLM workers must read "
+        "and write this path"
+    )
     pause_mode: Literal["wait", "abort", "keep"] = Field(
         "wait", description="POST /pause mode: drain running requests, abort them, or freeze them (recomputed after)"
     )
-    api_key: str | None = Field(None, description="bearer token, for a server started with --api-key")
+    api_key: str | None = Field(
+        None, description="bearer token, for a server started with --api-key (it guards the dev-mode routes too)"
+    )
     timeout_seconds: float = Field(600.0, gt=0, description="per request")
 
     @field_validator("update_dir")

@@ -1,16 +1,22 @@
-"""The `vllm` sink: the sidecar side of delivering verified states to a vLLM server (0.32 and later).
+"""The `vllm` sink: the sidecar side of delivering verified states to a vLLM engine.
 
-Engine side (docs/engines.md): start vLLM with the dev-mode endpoints and pulsesync's worker extension,
+Engine side (docs/engines.md), either path:
 
-    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
-        --worker-extension-cls pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension
+- vLLM 0.32+: the `pulsesync` weight-transfer backend, registered by pulsesync's plugin entry point,
+      VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
+          --weight-transfer-config '{"backend": "pulsesync"}'
+  (`engine_api: weight_transfer`, the default; an in-process `vllm.LLM` takes the same backend
+  through `integrations.vllm_inprocess`);
+- any vLLM with `collective_rpc`: `--worker-extension-cls pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension`
+  (`engine_api: worker_extension`).
 
-Each delivery asks every worker what it holds (`pulsesync_held`). An engine that already holds
-the state gets nothing; one that provably holds the previous state gets a delta (sparse where the
-applied patches say which positions changed); any other (launch checkpoint, restart, failure)
-gets a full update. Then: pause generation (`POST /pause`), apply on every worker
-(`pulsesync_apply`, which validates before it changes anything), reset the prefix cache with
-running requests (its reply must say success), and resume, also after a failure.
+Each delivery asks the engine what it holds (`vllm_sessions`). An engine that already holds the
+state gets nothing; one that provably holds the previous state gets a delta (sparse where the
+applied patches say which positions changed); any other (launch checkpoint, restart, another
+writer, failure) gets a full update. Everything is decided and written before the engine is
+paused; inside the pause only the engine's own writes run: apply on every worker (validated
+first, rolled back on every rank if any rank fails), reset the prefix cache with running
+requests (its reply must say success), resume, also after a failure.
 
 Under tensor parallelism each worker reports the region of each tensor it holds; a delta is cut
 into one file per worker (`WeightUpdate.for_rank`), so each receives about its share of the
@@ -19,6 +25,9 @@ patch. A full update is one file for all: vLLM's loader shards whole checkpoint 
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,48 +38,25 @@ from pulsesync.atomic_files import replace_with
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.config import VLLMSinkConfig
-from pulsesync.sinks.http import EngineClient, paused, reply_field
-from pulsesync.sinks.vllm_worker import PulseSyncWorkerExtension
+from pulsesync.sinks.http import reply_field
+from pulsesync.sinks.vllm_sessions import EngineSession, Serving, http_engine
 from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
+from pulsesync.sinks.weight_version import HeldPolicy
 
-__all__ = ["HeldPolicy", "PulseSyncWorkerExtension", "VLLMSink", "VLLMSinkConfig", "collective_rpc", "held_policy"]
+__all__ = ["HeldPolicy", "SentUpdate", "VLLMSink", "VLLMSinkConfig"]
+
+Connect = Callable[[], contextlib.AbstractAsyncContextManager[tuple[EngineSession, Serving]]]
 
 
 class SentUpdate(NamedTuple):
-    """What the last delivery sent: its step, base digest (None: full), tensor bytes, and each worker's reply."""
+    """What the last delivery sent: its step, base digest (None: full), tensor bytes, each worker's reply, timings."""
 
     step: int
     base: str | None
     nbytes: int
-    workers: list[dict[str, Any]]  # pulsesync_apply's results: received_bytes, kept_bytes, seconds, ...
-
-
-class HeldPolicy(NamedTuple):
-    """The verified step (and its state digest) that every worker of an engine holds."""
-
-    step: int
-    digest: str
-
-
-async def collective_rpc(engine: EngineClient, method: str, *args: Any, timeout: float) -> list[dict[str, Any]]:
-    """A worker-extension method run on every worker; their replies in rank order, each checked to be an object."""
-    body = {"method": method, "args": list(args), "kwargs": {}, "timeout": timeout}
-    reply = await engine.post("/collective_rpc", body)
-    results = reply.get("results") if isinstance(reply, dict) else None
-    if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
-        raise EngineError(f"vllm: {method} on {engine.url} answered {str(reply)[:300]!r}")
-    return results
-
-
-async def held_policy(engine: EngineClient, timeout: float) -> HeldPolicy | None:
-    """What every worker holds; None when a worker does not know (launch checkpoint, failure) or they disagree."""
-    held = {(r.get("step"), r.get("digest")) for r in await collective_rpc(engine, "pulsesync_held", timeout=timeout)}
-    if len(held) != 1:
-        return None
-    ((step, digest),) = held
-    if type(step) is not int or not isinstance(digest, str):
-        return None
-    return HeldPolicy(step, digest)
+    workers: list[dict[str, Any]]  # each rank's apply result: received_bytes, kept_bytes, seconds, ...
+    seconds: dict[str, float]  # prepare (before the pause); pause (requests held) = apply + reset + round trips;
+    # paused_at: the wall-clock time the pause was asked for
 
 
 def _save(update: WeightUpdate, path: Path) -> None:
@@ -79,70 +65,73 @@ def _save(update: WeightUpdate, path: Path) -> None:
 
 
 class VLLMSink(Sink):
-    """Delivers each verified state to a vLLM server: nothing, a delta or a full update, by what it holds."""
+    """Delivers each verified state to a vLLM engine: nothing, a delta or a full update, by what it holds."""
 
     name = "vllm"
 
-    def __init__(self, config: VLLMSinkConfig) -> None:
+    def __init__(self, config: VLLMSinkConfig, connect: Connect | None = None) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
+        self._connect = connect  # an in-process engine's session; None: the server at `url`
         self.last_update: SentUpdate | None = None  # what the last delivery sent (not its tensors)
 
-    async def _rpc(self, engine: EngineClient, method: str, *args: Any) -> list[dict[str, Any]]:
-        return await collective_rpc(engine, method, *args, timeout=self.config.timeout_seconds)
-
-    async def held(self, engine: EngineClient) -> str | None:
-        """The state digest every worker holds, None when unknown or when the workers disagree."""
-        held = await held_policy(engine, self.config.timeout_seconds)
-        return held.digest if held is not None else None
+    def _engine(self) -> contextlib.AbstractAsyncContextManager[tuple[EngineSession, Serving]]:
+        if self._connect is not None:
+            return self._connect()
+        c = self.config
+        return http_engine(self.url, c.api_key, c.timeout_seconds, c.pause_mode, c.engine_api, c.update_dir)
 
     async def deliver(self, update: Update) -> None:
         """Bring the engine to the update's state; EngineError (naming what it holds) if it cannot."""
-        async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
-            held = await self.held(engine)
-            if held == update.digest.root:  # a restarted sidecar, or a reset or resume that failed after the apply
-                await self._reset_prefix_cache(engine, update)
-                await engine.post("/resume", {})  # a no-op unless our own failed delivery left it paused
+        async with self._engine() as (session, serving):
+            held = await session.held()
+            if held is not None and held.digest == update.digest.root:  # a restarted sidecar, or a failed reset
+                await self._reset_prefix_cache(serving, update)
+                await serving.resume()  # a no-op unless our own failed delivery left it paused
                 return
-            if reply_field(await engine.get("/is_sleeping"), "is_sleeping", bool, f"vllm sink: {self.url}/is_sleeping"):
-                raise EngineError(f"vllm sink: {self.url} is sleeping; step {update.step} not delivered")
-            layouts = await self._rpc(engine, "pulsesync_layout")
-            aliases = reply_field(layouts[0], "aliases", dict, f"vllm sink: pulsesync_layout on {self.url}")
+            if await serving.is_sleeping():
+                raise EngineError(f"vllm sink: {serving.where} is sleeping; step {update.step} not delivered")
+            started = time.perf_counter()
+            layouts = await session.layouts()
+            aliases = reply_field(layouts[0], "aliases", dict, f"vllm sink: the layout of {session.where}")
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-                raise EngineError(f"vllm sink: pulsesync_layout on {self.url} answered aliases {str(aliases)[:300]!r}")
+                raise EngineError(f"vllm sink: {session.where} answered aliases {str(aliases)[:300]!r}")
             skip = self._aliases(update, aliases)
             base = update.previous_digest if held is not None and update.previous_digest is not None else None
-            if base is not None and base.root != held:
+            if base is not None and held is not None and base.root != held.digest:
                 base = None  # the engine holds neither this state nor the previous one: send everything
             changed = update.changes.positions if base is not None and update.changes is not None else None
             weights = build_update(update.step, update.state, update.digest, base, changed, skip)
-            regions = [self._regions(layout, rank, update) for rank, layout in enumerate(layouts)]
+            regions = [self._regions(layout, rank, update, session.where) for rank, layout in enumerate(layouts)]
             cut = base is not None and any(regions)  # a full update is sharded by vLLM's loader on each worker
             parts = [weights.for_rank(r, g) for r, g in enumerate(regions)] if cut else [weights]
             self.config.update_dir.mkdir(parents=True, exist_ok=True)
             paths = [self.config.update_dir / f"update-{update.step:012d}.{i}.safetensors" for i in range(len(parts))]
             for path, part in zip(paths, parts, strict=True):
                 replace_with(path, partial(_save, part))
+            pausing = time.perf_counter()
+            seconds = {"prepare": pausing - started, "paused_at": time.time()}
             try:
-                async with paused(engine, f"/pause?mode={self.config.pause_mode}", "/resume"):
-                    arg: str | list[str] = str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
-                    replies = await self._rpc(engine, "pulsesync_apply", arg)
-                    self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes, replies)
-                    await self._reset_prefix_cache(engine, update)
+                async with serving.paused():
+                    applying = time.perf_counter()
+                    target = HeldPolicy(update.step, update.digest.root)
+                    replies = await session.apply([str(p) for p in paths], target)
+                    resetting = time.perf_counter()
+                    await self._reset_prefix_cache(serving, update)
+                    seconds |= {"apply": resetting - applying, "reset": time.perf_counter() - resetting}
+                seconds["pause"] = time.perf_counter() - pausing  # from asking for the pause to the resume's reply
+                self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes, replies, seconds)
             finally:
                 for path in paths:
                     path.unlink(missing_ok=True)  # the workers read them; they can be model-sized
 
-    async def _reset_prefix_cache(self, engine: EngineClient, update: Update) -> None:
-        reply = await engine.post("/reset_prefix_cache?reset_running_requests=true", {})
-        if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise EngineError(
-                f"vllm sink: {self.url} holds step {update.step} but did not reset its prefix cache ({reply!r})"
-            )
+    async def _reset_prefix_cache(self, serving: Serving, update: Update) -> None:
+        if not await serving.reset_prefix_cache():
+            raise EngineError(f"vllm sink: {serving.where} holds step {update.step} but did not reset its prefix cache")
 
-    def _regions(self, layout: dict[str, Any], rank: int, update: Update) -> dict[str, Region]:
+    def _regions(self, layout: dict[str, Any], rank: int, update: Update, where: str) -> dict[str, Region]:
         """The regions the worker of this rank (the replies come in rank order) holds, checked against the state."""
-        where = f"vllm sink: pulsesync_layout on {self.url}"
+        where = f"vllm sink: the layout of {where}"
         if layout.get("rank", rank) != rank:
             raise EngineError(f"{where} answered rank {layout.get('rank')!r} in place {rank}")
         out = {}

@@ -145,13 +145,17 @@ def publisher_config(**overrides: object) -> PublisherConfig:
     return PublisherConfig.model_validate(defaults | overrides)
 
 
-def copying_loader(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
-    """A stand-in for vLLM's reload_weights on a plain module: copy each tensor into its parameter."""
-    params = dict(model.named_parameters())
+def copying_loader(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]] | None], None]:
+    """A stand-in for vLLM's reload_weights on a plain module: copy each tensor into its parameter.
 
-    def reload(weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> None:
+    Given no weights, it loads the launch checkpoint again (the parameters when it was made), as vLLM reads its files.
+    """
+    params = dict(model.named_parameters())
+    launch = {n: p.detach().clone() for n, p in params.items()}
+
+    def reload(weights_iterator: Iterable[tuple[str, torch.Tensor]] | None) -> None:
         with torch.no_grad():
-            for name, t in weights_iterator:
+            for name, t in launch.items() if weights_iterator is None else weights_iterator:
                 params[name].data.copy_(t)
 
     return reload

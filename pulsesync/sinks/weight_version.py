@@ -1,0 +1,35 @@
+"""The engine's weight version string: which verified step and state an engine holds, as vLLM reports it (pure).
+
+vLLM keeps one free-form string per engine (`/finish_weight_update {"weight_version"}`, read back
+by `GET /weight_info`; `"default"` after a start). pulsesync writes `pulsesync:<step>:<root>`
+only once every worker holds that state; anything else (another writer's string, the default
+after a restart, a truncated or oversized one) means the state is unknown.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+PREFIX = "pulsesync"
+_VERSION = re.compile(rf"{PREFIX}:(\d{{1,18}}):([0-9A-Za-z_.+-]{{1,200}})")
+
+
+class HeldPolicy(NamedTuple):
+    """The verified step (and its state digest) that every worker of an engine holds."""
+
+    step: int
+    digest: str
+
+    @property
+    def version(self) -> str:
+        """The weight version string that names it."""
+        return f"{PREFIX}:{self.step}:{self.digest}"
+
+
+def parse_version(version: object) -> HeldPolicy | None:
+    """The step and digest a version string names; None for anything that is not exactly pulsesync's."""
+    if not isinstance(version, str) or len(version) > 256:
+        return None
+    match = _VERSION.fullmatch(version)
+    return HeldPolicy(int(match[1]), match[2]) if match else None
