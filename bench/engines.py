@@ -17,11 +17,11 @@ Bit-exact: each worker's digest of what it holds equals the digest of its region
 
 The pause, per fast-path step on a real TP=1 server (pulsesync's weight-transfer backend), for the
 real SmolLM2-135M (fine-tuned with AdamW at lr 1e-6 on English text, bench/real_llm.py) and a
-random-weight Llama of 0.5B (Qwen2-0.5B's shape; AdamW at lr 1e-6 on random tokens; quick: 0.2B).
+random-weight Llama of 0.49B (Qwen2-0.5B's shape; AdamW at lr 1e-6 on random tokens; quick: 0.27B).
 A `pulsesync subscribe` daemon (`Subscriber.run`, poll_seconds 0.2) feeds the server while the
 trainer's `Publisher.publish()` publishes each step:
 
-  publish_to_served  from publish() returning to GET /weight_info naming the step
+  publish_to_served  from publish() returning to GET /weight_info naming the step, generation resumed
   before_pause       from publish() returning to the pause: the poll, fetch, verify and decode,
                      and `prepare` (the sink's layouts and update files)
   pause              requests held by the engine: POST /pause to /resume's reply, of which
@@ -94,7 +94,7 @@ LLAMA_05B = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
-LLAMA_02B = LLAMA_05B | {"vocab_size": 32000, "num_hidden_layers": 16}  # quick
+LLAMA_03B = LLAMA_05B | {"vocab_size": 32000, "num_hidden_layers": 16}  # quick: 0.27B
 
 
 def train(root: Path, config: dict[str, Any], steps: int, batch: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -127,7 +127,11 @@ def smollm2(root: Path, steps: int) -> list[dict[str, torch.Tensor]]:
 
     gguf = smollm2_gguf()
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(root / "launch")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)  # read from GGUF, held dequantized: save it as plain bf16
+    model = type(loaded)(config).to(torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(root / "launch")
     return fine_tune(steps)[1:]
 
@@ -163,12 +167,14 @@ async def pause(root: Path, size: str, states: list[dict[str, torch.Tensor]]) ->
             for step, state in enumerate(states, 1):
                 await asyncio.to_thread(publisher.publish, step, state)
                 published = time.time()
-                while not (await weight_info(server.url)).startswith(f"pulsesync:{step}:"):
+                while not (await weight_info(server.url)).startswith(f"pulsesync:{step}:") or (
+                    vllm_sink.last_update is None or vllm_sink.last_update.step != step  # resumed
+                ):
                     assert not daemon.done(), daemon
                     await asyncio.sleep(0.005)
                 served = time.time()
                 sent = vllm_sink.last_update
-                assert sent is not None and sent.step == step
+                assert sent is not None
                 if sent.base is not None:  # a fast-path step (the first is the launch checkpoint's full update)
                     s = sent.seconds
                     steps.append(
@@ -196,7 +202,9 @@ async def pause(root: Path, size: str, states: list[dict[str, torch.Tensor]]) ->
             full_reload_s = time.perf_counter() - started
     finally:
         server.stop()
-    parameters = sum(t.numel() for t in states[-1].values())
+    last = states[-1]
+    tied = "lm_head.weight" in last and torch.equal(last["lm_head.weight"], last["model.embed_tokens.weight"])
+    parameters = sum(t.numel() for n, t in last.items() if not (tied and n == "lm_head.weight"))
     return {"size": size, "parameters": parameters, "steps": steps, "full_reload_s": full_reload_s}
 
 
@@ -251,8 +259,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, help="model width (default 512; quick 256)")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8; quick 4)")
     parser.add_argument(
-        "--sizes", nargs="+", choices=["smollm2-135m", "llama-0.2b", "llama-0.5b"],
-        help="models whose pause is measured (default: smollm2-135m and llama-0.5b; quick: llama-0.2b)",
+        "--sizes", nargs="+", choices=["smollm2-135m", "llama-0.3b", "llama-0.5b"],
+        help="models whose pause is measured (default: smollm2-135m and llama-0.5b; quick: llama-0.3b)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="also write PNG plots there (matplotlib)")
@@ -265,14 +273,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pulsesync-bench-engines-") as tmp:
         runs = asyncio.run(run(Path(tmp), config))
     pauses = []
-    for size in args.sizes or ["smollm2-135m", "llama-0.2b" if args.quick else "llama-0.5b"]:
+    for size in args.sizes or ["smollm2-135m", "llama-0.3b" if args.quick else "llama-0.5b"]:
         with tempfile.TemporaryDirectory(prefix="pulsesync-bench-engines-") as tmp:
             root = Path(tmp)
             steps = 3 if args.quick else 5
             if size == "smollm2-135m":
                 states = smollm2(root, steps)
             else:
-                states = train(root, LLAMA_02B if size == "llama-0.2b" else LLAMA_05B, steps, batch=1)
+                states = train(root, LLAMA_03B if size == "llama-0.3b" else LLAMA_05B, steps, batch=1)
             pauses.append(asyncio.run(pause(root, size, states)))
             del states
     one, two = runs["1"], runs["2"]

@@ -308,8 +308,9 @@ def test_fused_tied_and_repacked_parameters_are_found_where_vllm_keeps_them() ->
     rebuilt: list[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = []
 
     class Rebuilder(LiveRebuilder):  # records what a repacked module is rebuilt from
-        def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
             rebuilt.append((module, dict(tensors)))
+            return super().prepare(module, tensors)
 
     applier = WeightApplier(model, reload, Rebuilder())
     layout = applier.layout

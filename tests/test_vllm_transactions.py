@@ -201,20 +201,20 @@ async def test_a_rank_that_fails_rolls_every_rank_back_and_the_next_session_land
     assert parse_version(verbs.version) == HeldPolicy(0, d0.root)
     before = [served(m) for m in models]
 
-    truncate = workers[1]._apply
+    stage = workers[1]._stage
 
-    def truncated(path: str | None) -> dict[str, Any]:  # rank 1 reads a torn file: nothing changes there
+    def truncated(path: str | None) -> None:  # rank 1 reads a torn file: nothing changes there
         assert path is not None
         Path(path).write_bytes(Path(path).read_bytes()[:64])
-        return truncate(path)
+        stage(path)
 
-    workers[1]._apply = truncated  # type: ignore[method-assign]
+    workers[1]._stage = truncated  # type: ignore[method-assign]
     with pytest.raises(EngineError, match=r"step 1 failed on rank 1 .*every rank is back on step 0"):
         await sink.deliver(Update(1, s1, d1, {}, previous_digest=d0))
     assert all(same(served(m), b) for m, b in zip(models, before, strict=True))
     assert parse_version(verbs.version) == HeldPolicy(0, d0.root)  # finished without a version
 
-    workers[1]._apply = truncate  # type: ignore[method-assign]
+    workers[1]._stage = stage  # type: ignore[method-assign]
     verbs.version = "someone-else"  # another writer: the state is unknown, so the update is whole
     await sink.deliver(Update(1, s1, d1, {}, previous_digest=d0))
     assert sink.last_update is not None and sink.last_update.base is None

@@ -4,9 +4,10 @@ The sidecar (the vllm sink, or the in-process API) drives vLLM's own verbs:
 
 - `init_weight_transfer_engine {"directory", "session"}`: each rank reports its layout, the state
   it holds and whether a session is still open;
-- `start_weight_update`, then `update_weights` with one `{"action": "apply", "path"}` per rank
-  (its own cut of a delta, or the whole full update), then `{"action": "commit"}` once every rank
-  applied;
+- `start_weight_update`, then `update_weights` with one `{"action": "stage", "path"}` per rank
+  (its own cut of a delta, or the whole full update: read, validated, rebuilt modules prepared on
+  twins, all before the engine is paused), then, paused, `{"action": "apply"}` (the engine's own
+  writes) and `{"action": "commit"}` once every rank applied;
 - `finish_weight_update`: anything applied but not committed is rolled back, so a session that
   failed on any rank ends with every rank holding the previous state's exact bits.
 
@@ -42,10 +43,10 @@ class TransferInit:
 
 @dataclass
 class TransferStep:
-    """One verb of the session: apply this rank's update file, commit, or roll back."""
+    """One verb of the session: stage this rank's update file, apply it, commit, or roll back."""
 
     session: str
-    action: Literal["apply", "commit", "rollback"] = "apply"
+    action: Literal["stage", "apply", "commit", "rollback"] = "apply"
     path: str | None = None
 
 
@@ -87,8 +88,11 @@ class TransferWorker:
         if step.session != self.session or self.directory is None:
             return  # another session's: its sidecar reads no reply from this one
         try:
-            if step.action == "apply":
-                self._reply("apply", {"result": self._apply(step.path)})
+            if step.action == "stage":
+                self._stage(step.path)
+                self._reply("stage", {})
+            elif step.action == "apply":
+                self._reply("apply", {"result": self.applier.apply_staged(hold=True)})
             elif step.action == "commit":
                 self.applier.commit()
                 self._reply("commit", {})
@@ -98,13 +102,13 @@ class TransferWorker:
         except Exception as e:  # reported, never raised (transfer_replies); the applier restored its bits
             self._reply(step.action, {"error": f"{type(e).__name__}: {e}"[:2000], "where": _where(e)})
 
-    def _apply(self, path: str | None) -> dict[str, Any]:
+    def _stage(self, path: str | None) -> None:
         if path is None:
-            raise ValueError("an apply names no update file")
+            raise ValueError("a stage names no update file")
         with safe_open(path, framework="pt") as f:
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-        return self.applier.apply(WeightUpdate.from_file(tensors, meta, path), path, hold=True)
+        self.applier.stage(WeightUpdate.from_file(tensors, meta, path), path)
 
     def finish(self) -> None:
         self.applier.rollback()  # applied on this rank but not committed: another rank failed

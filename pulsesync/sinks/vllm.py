@@ -13,10 +13,11 @@ Engine side (docs/engines.md), either path:
 Each delivery asks the engine what it holds (`vllm_sessions`). An engine that already holds the
 state gets nothing; one that provably holds the previous state gets a delta (sparse where the
 applied patches say which positions changed); any other (launch checkpoint, restart, another
-writer, failure) gets a full update. Everything is decided and written before the engine is
-paused; inside the pause only the engine's own writes run: apply on every worker (validated
-first, rolled back on every rank if any rank fails), reset the prefix cache with running
-requests (its reply must say success), resume, also after a failure.
+writer, failure) gets a full update. Everything is decided, written and staged before the
+engine is paused (each worker reads its file, validates it and prepares the modules it rebuilds);
+inside the pause only the engine's own writes run: apply on every worker (rolled back on every
+rank if any rank fails), reset the prefix cache with running requests (its reply must say
+success), resume, also after a failure.
 
 Under tensor parallelism each worker reports the region of each tensor it holds; a delta is cut
 into one file per worker (`WeightUpdate.for_rank`), so each receives about its share of the
@@ -55,8 +56,8 @@ class SentUpdate(NamedTuple):
     base: str | None
     nbytes: int
     workers: list[dict[str, Any]]  # each rank's apply result: received_bytes, kept_bytes, seconds, ...
-    seconds: dict[str, float]  # prepare (before the pause); pause (requests held) = apply + reset + round trips;
-    # paused_at: the wall-clock time the pause was asked for
+    seconds: dict[str, float]  # prepare (before the pause: update files, the workers' staging); pause (requests
+    # held) = apply + reset + round trips; paused_at: the wall-clock time the pause was asked for
 
 
 def _save(update: WeightUpdate, path: Path) -> None:
@@ -109,13 +110,14 @@ class VLLMSink(Sink):
             paths = [self.config.update_dir / f"update-{update.step:012d}.{i}.safetensors" for i in range(len(parts))]
             for path, part in zip(paths, parts, strict=True):
                 replace_with(path, partial(_save, part))
-            pausing = time.perf_counter()
-            seconds = {"prepare": pausing - started, "paused_at": time.time()}
+            target = HeldPolicy(update.step, update.digest.root)
             try:
+                await session.stage([str(p) for p in paths], target)  # read, validated, prepared: still serving
+                pausing = time.perf_counter()
+                seconds = {"prepare": pausing - started, "paused_at": time.time()}
                 async with serving.paused():
                     applying = time.perf_counter()
-                    target = HeldPolicy(update.step, update.digest.root)
-                    replies = await session.apply([str(p) for p in paths], target)
+                    replies = await session.apply(target)
                     resetting = time.perf_counter()
                     await self._reset_prefix_cache(serving, update)
                     seconds |= {"apply": resetting - applying, "reset": time.perf_counter() - resetting}

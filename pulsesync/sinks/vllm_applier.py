@@ -23,6 +23,7 @@ Full updates go through vLLM's `reload_weights`, which shards whole checkpoint t
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -41,14 +42,14 @@ log = logging.getLogger("pulsesync.vllm_applier")
 
 
 class Rebuilder(Protocol):
-    """How an engine recreates a post-processed module from model-format tensors."""
+    """How an engine recreates a post-processed module from model-format tensors, on a twin of it."""
 
     def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The module's parameters as created, before post-load processing (maybe meta tensors)."""
         ...
 
-    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Give the module these model-format parameter values and redo its post-load processing."""
+    def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """A twin of the module holding these model-format values, post-processed; the module is untouched."""
         ...
 
 
@@ -57,15 +58,60 @@ class LiveRebuilder:
 
     model_params: ModelParams = staticmethod(live_params)
 
-    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Give the module these model-format parameter values and redo its post-load processing."""
+    def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """A twin of the module holding these model-format values, post-processed; the module is untouched."""
+        twin = _twin(module)
         for pname, tensor in tensors.items():
-            param = getattr(module, pname)
-            if param.shape == tensor.shape:
-                param.data.copy_(tensor)
+            old = getattr(module, pname)
+            value = tensor.to(old.device, old.dtype).clone(memory_format=torch.contiguous_format)
+            twin._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
+        _process(twin)
+        return twin
+
+
+_MODULE_STORES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy with its own parameter and buffer tables: processing it leaves the module as it was."""
+    twin = copy.copy(module)
+    twin._parameters = dict(module._parameters)
+    twin._buffers = dict(module._buffers)
+    twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    return twin
+
+
+def install(module: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Make the module compute as its prepared twin: the engine's own writes, no processing.
+
+    Tensors of the same shape and dtype are copied into the module's own (the storage the
+    forward pass, and any captured graph, holds); other tensors and the processing's other
+    state (on vLLM's CPU build the packed `cpu_linear` kernel) are taken from the twin.
+    """
+    for store in ("_parameters", "_buffers"):
+        own, new = getattr(module, store), getattr(twin, store)
+        for name, tensor in new.items():
+            mine = own.get(name)
+            same_kind = mine is not None and tensor is not None and mine.shape == tensor.shape
+            if same_kind and mine.dtype == tensor.dtype and mine.device == tensor.device:
+                if mine is not tensor:
+                    mine.data.copy_(tensor.data)
             else:
-                param.data = tensor.to(param.device, param.dtype)
-        _process(module)
+                own[name] = tensor
+        for name in set(own) - set(new):
+            del own[name]
+    module._non_persistent_buffers_set = set(twin._non_persistent_buffers_set)
+    state = module.__dict__
+    for key in set(state) - set(twin.__dict__) - set(_MODULE_STORES):
+        del state[key]
+    for key, value in twin.__dict__.items():
+        if key not in _MODULE_STORES and state.get(key) is not value:
+            state[key] = value
+
+
+def rebuild(rebuilder: Rebuilder, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Give the module these model-format values and redo its post-load processing."""
+    install(module, rebuilder.prepare(module, tensors))
 
 
 def _process(module: torch.nn.Module) -> None:
@@ -110,6 +156,17 @@ def _failing_after(
         yield item
 
 
+@dataclass
+class Staged:
+    """An update validated and prepared by `stage`: its journal so far and the twins of the modules to rebuild."""
+
+    update: WeightUpdate
+    source: str
+    journal: Journal
+    twins: dict[str, torch.nn.Module]
+    seconds: float
+
+
 class Drill(Exception):
     """The failure a drill injects inside an apply (`WeightApplier.drill`), to exercise the rollback."""
 
@@ -134,6 +191,7 @@ class WeightApplier:
         self.shadow: dict[str, torch.Tensor] = {}  # this rank's part of the tensors of rebuilt modules
         self.held_step: int | None = None
         self.held_digest: str | None = None  # None: unknown (launch checkpoint, or an apply not yet committed)
+        self.staged: Staged | None = None  # a staged update, not yet applied
         self.pending: Journal | None = None  # an apply that succeeded, not yet committed or rolled back
         self.drill: int | None = None  # the next apply raises Drill after writing this many tensors
 
@@ -176,13 +234,14 @@ class WeightApplier:
             if slots[name].module not in self.layout.in_place and name not in self.shadow:
                 raise EngineError(f"{source}: sparse {name!r} needs its previous value, which this engine lacks")
 
-    def apply(self, update: WeightUpdate, source: str, *, hold: bool = False) -> dict[str, Any]:
-        """Validate, then apply and keep a journal; any failure restores the bits held before and re-raises.
+    def stage(self, update: WeightUpdate, source: str) -> None:
+        """Validate, then do everything that does not change what the engine computes with.
 
-        With `hold`, the journal is kept and the held state unknown until `commit` (`rollback` puts
-        the previous one back); otherwise the update is committed at once.
+        A delta's parts of rebuilt modules are written into the shadow (journaled) and each such
+        module is prepared on a twin (its post-load processing, the expensive part on CPU), so
+        that `apply_staged` only writes: that is what runs while requests are held.
         """
-        if self.pending is not None:
+        if self.pending is not None or self.staged is not None:
             raise EngineError(f"{source}: the previous update is neither committed nor rolled back")
         if update.base is not None and update.rank is None:  # an uncut delta: take this rank's part
             regions = {n: s.region for n, s in self.layout.slots.items() if s.region is not None}
@@ -190,14 +249,44 @@ class WeightApplier:
         self.validate(update, source)
         started = time.perf_counter()
         journal = Journal((self.held_step, self.held_digest), (update.step, update.digest), names=update.names)
+        twins: dict[str, torch.nn.Module] = {}
+        if update.base is not None:
+            try:
+                with torch.no_grad():
+                    modules = set()
+                    for name in sorted(update.names):
+                        slot = self.layout.slots[name]
+                        if slot.module not in self.layout.in_place:
+                            self._write(self.shadow.get(name), update, name, journal)
+                            modules.add(slot.module)
+                    for module in sorted(modules):
+                        twins[module] = self.rebuilder.prepare(
+                            self.model.get_submodule(module), self._model_format(module, self.shadow)
+                        )
+            except BaseException:
+                self._restore(journal)
+                raise
+        self.staged = Staged(update, source, journal, twins, time.perf_counter() - started)
+
+    def apply_staged(self, *, hold: bool = False) -> dict[str, Any]:
+        """Apply what `stage` prepared; any failure restores the bits held before and re-raises.
+
+        With `hold`, the journal is kept and the held state unknown until `commit` (`rollback` puts
+        the previous one back); otherwise the update is committed at once.
+        """
+        if self.staged is None:
+            raise EngineError("vllm worker: nothing is staged to apply")
+        staged, self.staged = self.staged, None
+        update, journal = staged.update, staged.journal
+        started = time.perf_counter()
         self.held_step = self.held_digest = None
         drill, self.drill = self.drill, None
         try:
             with torch.no_grad():
                 if update.base is None:
-                    written, rebuilt = 0, self._apply_full(update, source, journal, drill)
+                    written, rebuilt = 0, self._apply_full(update, staged.source, journal, drill)
                 else:
-                    written, rebuilt = self._apply_delta(update, journal, drill)
+                    written, rebuilt = self._apply_delta(update, journal, staged.twins, drill)
                 self._reprocess_tied(update.names)
         except BaseException:
             self._restore(journal)
@@ -212,8 +301,14 @@ class WeightApplier:
             "reloaded": rebuilt,
             "received_bytes": update.nbytes,
             "kept_bytes": self.held()["kept_bytes"],
+            "staged_seconds": round(staged.seconds, 4),
             "seconds": round(time.perf_counter() - started, 4),
         }
+
+    def apply(self, update: WeightUpdate, source: str, *, hold: bool = False) -> dict[str, Any]:
+        """`stage` then `apply_staged`."""
+        self.stage(update, source)
+        return self.apply_staged(hold=hold)
 
     def commit(self) -> None:
         """The applied update's state is now the one held."""
@@ -222,7 +317,11 @@ class WeightApplier:
             self.pending = None
 
     def rollback(self) -> None:
-        """Put back the bits held before the uncommitted apply (none: nothing to do)."""
+        """Put back the bits held before the staged or uncommitted apply (none: nothing to do)."""
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            with torch.no_grad():
+                self._restore(staged.journal)
         if self.pending is not None:
             journal, self.pending = self.pending, None
             with torch.no_grad():
@@ -252,23 +351,25 @@ class WeightApplier:
             self._refuse(misplaced, source)
         return len(update.whole)
 
-    def _apply_delta(self, update: WeightUpdate, journal: Journal, drill: int | None) -> tuple[int, int]:
-        """Write in place or into the shadow, then rebuild the shadowed modules; (tensors written, modules rebuilt)."""
+    def _apply_delta(
+        self, update: WeightUpdate, journal: Journal, twins: Mapping[str, torch.nn.Module], drill: int | None
+    ) -> tuple[int, int]:
+        """Write the in-place tensors, install the prepared twins; (tensors written, modules rebuilt)."""
         params = dict(self.model.named_parameters())
         written = 0
-        for count, name in enumerate(sorted(update.names)):
-            if drill is not None and count == drill:
-                raise Drill(f"a drill failed rank {self.rank}'s update after {count} of its tensors")
+        for name in sorted(update.names):
             slot = self.layout.slots[name]
             if slot.module in self.layout.in_place:
+                if drill is not None and written == drill:
+                    raise Drill(f"a drill failed rank {self.rank}'s update after {written} of its tensors")
                 self._write(_view(params, slot), update, name, journal)
                 written += 1
-            else:
-                self._write(self.shadow.get(name), update, name, journal)
-                journal.rebuilt.add(slot.module)
-        for module in sorted(journal.rebuilt):
-            self.rebuilder.rebuild(self.model.get_submodule(module), self._model_format(module, self.shadow))
-        return written, len(journal.rebuilt)
+        for module, twin in sorted(twins.items()):
+            if drill is not None and written + len(journal.rebuilt) == drill:
+                raise Drill(f"a drill failed rank {self.rank}'s update after {drill} of its tensors and modules")
+            journal.rebuilt.add(module)
+            install(self.model.get_submodule(module), twin)
+        return written, len(twins)
 
     def _restore(self, journal: Journal) -> None:
         """Put back what the journal says was overwritten, and the held state from before it."""
@@ -298,7 +399,7 @@ class WeightApplier:
                     target.view(-1).index_copy_(0, positions, old)
             modules = journal.rebuilt
         for module in sorted(modules):
-            self.rebuilder.rebuild(self.model.get_submodule(module), self._model_format(module, self.shadow))
+            rebuild(self.rebuilder, self.model.get_submodule(module), self._model_format(module, self.shadow))
         self._reprocess_tied(journal.names)
         self.held_step, self.held_digest = journal.held
 
@@ -408,9 +509,9 @@ class WeightApplier:
 class VLLMRebuilder:
     """Rebuilds a module as vLLM's layerwise reload does (vllm/model_executor/model_loader/reload, 0.32).
 
-    The parameters are recreated in model format from the metadata vLLM recorded at load time,
-    filled, post-processed (`process_weights_after_loading`), and copied back into the kernel
-    tensors the forward pass holds.
+    On a twin of the module: the parameters are recreated in model format from the metadata vLLM
+    recorded at load time, filled and post-processed (`process_weights_after_loading`); `install`
+    then copies the results into the kernel tensors the forward pass holds.
     """
 
     def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -423,33 +524,21 @@ class VLLMRebuilder:
         live: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
         return live | dict(params)
 
-    def rebuild(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Give the module these model-format parameter values and redo its post-load processing."""
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _copy_and_restore_kernel_tensors,
-            _place_kernel_tensors,
-            get_layerwise_info,
-        )
+    def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """A twin of the module, recreated in model format from vLLM's metadata, filled, post-processed."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
-        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 
         info = get_layerwise_info(module)
-        info.kernel_tensors = get_layer_params_buffers(module)
-        info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
-        try:
-            restore_layer_on_meta(module, info)
-            materialize_layer(module, info)
-            if hasattr(module, "_already_called_process_weights_after_loading"):
-                delattr(module, "_already_called_process_weights_after_loading")
-            for pname, tensor in tensors.items():
-                getattr(module, pname).data.copy_(tensor)
-            _process(module)
-        except BaseException:
-            _place_kernel_tensors(module, info)  # the kernel tensors are untouched until the copy below
-            info.reset()
-            raise
-        _copy_and_restore_kernel_tensors(module, info)
-        info.reset()
+        twin = _twin(module)
+        restore_layer_on_meta(twin, info)
+        materialize_layer(twin, info)
+        if "_already_called_process_weights_after_loading" in twin.__dict__:
+            del twin.__dict__["_already_called_process_weights_after_loading"]
+        for pname, tensor in tensors.items():
+            getattr(twin, pname).data.copy_(tensor)
+        _process(twin)
+        return twin
 
 
 def vllm_applier(model: torch.nn.Module, vllm_config: Any, rank: int, reload: Any = None) -> WeightApplier:

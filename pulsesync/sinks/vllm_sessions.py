@@ -60,8 +60,15 @@ class EngineSession(ABC):
         """Each rank's layout (`EngineLayout.describe()` and its rank), in rank order."""
 
     @abstractmethod
-    async def apply(self, paths: list[str], target: HeldPolicy) -> list[dict[str, Any]]:
-        """Apply the update file(s) (one for all ranks, or one per rank): each rank's result.
+    async def stage(self, paths: list[str], target: HeldPolicy) -> None:
+        """Before the pause: hand over the update file(s) (one for all ranks, or one per rank).
+
+        EngineError when a rank refuses; every rank then holds what it held before.
+        """
+
+    @abstractmethod
+    async def apply(self, target: HeldPolicy) -> list[dict[str, Any]]:
+        """Inside the pause: apply what was staged; each rank's result.
 
         EngineError when it did not land; every rank then holds what it held before.
         """
@@ -118,6 +125,7 @@ class ExtensionSession(EngineSession):
 
     def __init__(self, engine: EngineClient, timeout: float) -> None:
         self.engine, self.timeout, self.where = engine, timeout, engine.url
+        self._paths: list[str] = []
 
     async def _rpc(self, method: str, *args: Any) -> list[dict[str, Any]]:
         return await collective_rpc(self.engine, method, *args, timeout=self.timeout)
@@ -128,7 +136,11 @@ class ExtensionSession(EngineSession):
     async def layouts(self) -> list[dict[str, Any]]:
         return await self._rpc("pulsesync_layout")
 
-    async def apply(self, paths: list[str], target: HeldPolicy) -> list[dict[str, Any]]:
+    async def stage(self, paths: list[str], target: HeldPolicy) -> None:
+        self._paths = paths  # the extension reads, prepares and applies in one call
+
+    async def apply(self, target: HeldPolicy) -> list[dict[str, Any]]:
+        paths = self._paths
         results = await self._rpc("pulsesync_apply", paths[0] if len(paths) == 1 else paths)
         # Readers of /weight_info (the rollout client) see it too; vLLM before 0.32 has no such route.
         await self.engine.post("/update_weight_version", {"new_version": target.version}, accept=(404,))
@@ -216,16 +228,26 @@ class TransferSession(EngineSession):
     async def layouts(self) -> list[dict[str, Any]]:
         return [dict(r.get("layout") or {}, rank=r["rank"]) for r in await self._ranks()]
 
-    async def apply(self, paths: list[str], target: HeldPolicy) -> list[dict[str, Any]]:
+    async def stage(self, paths: list[str], target: HeldPolicy) -> None:
         world = len(await self._ranks())
         per_rank = paths if len(paths) == world else paths[:1] * world
-        session = self.session
         await self.verbs.start()
-        committed, failed = False, []
         try:
-            await self.verbs.update([{"session": session, "action": "apply", "path": p} for p in per_rank])
+            await self.verbs.update([{"session": self.session, "action": "stage", "path": p} for p in per_rank])
+            failed = [r for r in read_replies(self.directory, self.session, "stage", self.where) if "error" in r]
+        except BaseException:
+            await self.verbs.finish(None)  # every rank drops what it staged
+            raise
+        if failed:
+            await self.verbs.finish(None)
+            self._raise(failed, target)
+
+    async def apply(self, target: HeldPolicy) -> list[dict[str, Any]]:
+        session, committed, failed = self.session, False, []
+        try:
+            await self.verbs.update({"session": session, "action": "apply"})
             applied = read_replies(self.directory, session, "apply", self.where)
-            failed = [(int(r["rank"]), str(r["error"])) for r in applied if "error" in r]
+            failed = [r for r in applied if "error" in r]
             if not failed:
                 await self.verbs.update({"session": session, "action": "commit"})
                 commits = read_replies(self.directory, session, "commit", self.where)
@@ -233,14 +255,18 @@ class TransferSession(EngineSession):
         finally:
             await self.verbs.finish(target.version if committed else None)  # uncommitted: every rank rolls back
         if not committed:
-            finals = read_replies(self.directory, session, "finish", self.where)
-            now = agreed([r.get("held") for r in finals])
-            holds = f"step {now.step}" if now is not None else "an unknown state"
-            rank, error = failed[0] if failed else (0, "the ranks did not all commit")
-            raise EngineError(
-                f"{self.where}: step {target.step} failed on rank {rank} ({error}); every rank is back on {holds}"
-            )
+            self._raise(failed, target)
         return [r.get("result") or {} for r in applied]
+
+    def _raise(self, failed: list[dict[str, Any]], target: HeldPolicy) -> None:
+        """EngineError naming the first rank that failed and what every rank holds once the session finished."""
+        finals = read_replies(self.directory, self.session, "finish", self.where)
+        now = agreed([r.get("held") for r in finals])
+        holds = f"step {now.step}" if now is not None else "an unknown state"
+        rank, error = (failed[0]["rank"], failed[0]["error"]) if failed else (0, "the ranks did not all commit")
+        raise EngineError(
+            f"{self.where}: step {target.step} failed on rank {rank} ({error}); every rank is back on {holds}"
+        )
 
 
 @contextlib.asynccontextmanager
