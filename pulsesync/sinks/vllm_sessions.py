@@ -204,16 +204,18 @@ class TransferSession(EngineSession):
 
     async def _ranks(self) -> list[dict[str, Any]]:
         """Every rank's answer to init: layout, held state, open session; a session left open is closed first."""
-        if self._init is None:
-            info: dict[str, Any] = {"directory": str(self.directory), "session": self.session} | self.options
-            self.directory.mkdir(parents=True, exist_ok=True)
+        if self._init is not None:
+            return self._init
+        info: dict[str, Any] = {"directory": str(self.directory), "session": self.session} | self.options
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
             await self.verbs.init(info)
-            self._init = read_replies(self.directory, self.session, "init", self.where)
-            if any(r.get("open") for r in self._init):  # a sidecar died inside a session: end it (it rolls back)
-                await self.verbs.finish(None)
-                self._init = None
-                return await self._ranks()
-        return self._init
+            replies = read_replies(self.directory, self.session, "init", self.where)
+            if not any(r.get("open") for r in replies):
+                self._init = replies
+                return replies
+            await self.verbs.finish(None)  # a sidecar died inside a session: end it (it rolls back)
+        raise EngineError(f"{self.where}: a weight update session stays open after finish_weight_update")
 
     async def ranks(self) -> list[dict[str, Any]]:
         """Every rank's answer to init (`TransferWorker.init`), in rank order."""

@@ -178,23 +178,6 @@ class EngineProxy:
         return web.Response(status=status, body=reply, content_type="application/json")
 
 
-async def rpc_all(url: str, method: str) -> list[dict[str, Any]]:
-    """collective_rpc's results, one per worker in rank order."""
-    async with aiohttp.ClientSession() as s, s.post(url + "/collective_rpc", json={"method": method}) as r:
-        results: list[dict[str, Any]] = (await r.json())["results"]
-    return results
-
-
-async def workers_hold(url: str, state: Mapping[str, torch.Tensor], root: str) -> bool:
-    """Does each worker hold exactly its part of `state` (by the regions it reports), and say it holds `root`?"""
-    layouts, digests = await rpc_all(url, "pulsesync_layout"), await rpc_all(url, "pulsesync_digest")
-    for layout, digest in zip(layouts, digests, strict=True):
-        regions = {name: Region.from_reply(spec) for name, spec in layout["regions"].items()}
-        if digest != {"root": state_digest(part_of(state, regions, layout["aliases"])).root, "held": root}:
-            return False
-    return True
-
-
 async def transfer_ranks(url: str, directory: Path, **options: Any) -> list[dict[str, Any]]:
     """Each rank's answer to the pulsesync backend's init (layout, held state; `state_digest=True`: its digest)."""
     async with EngineClient(url, None, 300) as client:
