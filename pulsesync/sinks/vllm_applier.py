@@ -5,11 +5,15 @@ Both engine paths run this inside every vLLM worker: the weight-transfer backend
 records the step and state digest it holds, so the sidecar sends a delta only to an engine that
 provably holds its base.
 
-An apply validates before it changes anything, then keeps a journal of what it overwrote (the
-old values at a delta's positions; for a full update, this rank's whole previous state). Any
-failure restores those bits before the error leaves the worker, and `rollback` restores them
-on a worker whose own apply succeeded while another rank's failed: a worker never serves half
-an update. `commit` makes the new state the held one.
+An update is first staged while the engine still serves (`stage`: validated before anything
+changes; a delta's parts of rebuilt modules written into the shadow copy, and each such module
+prepared on a twin: its post-load processing, the expensive part on CPU), then applied while it
+is paused (`apply_staged`: the in-place writes and the twins installed, the engine's own writes
+only). Both keep a journal of what they overwrite (the old values at a delta's positions; for a
+full update, this rank's whole previous state). Any failure restores those bits before the error
+leaves the worker, and `rollback` restores them on a worker whose own apply succeeded while
+another rank's failed: a worker never serves half an update. `commit` makes the new state the
+held one.
 
 Where each checkpoint tensor lives on this worker, and which part of it under tensor parallelism,
 is `vllm_layout`. A module takes in-place writes only when its parameters are plain, contiguous
