@@ -41,7 +41,7 @@ def check_session(session: object) -> str:
 
 
 def read_replies(directory: Path, session: str, verb: str, where: str) -> list[dict[str, Any]]:
-    """Every rank's reply to `verb` of this session, in rank order; EngineError if one is missing or malformed."""
+    """Every rank's reply to `verb` tagged with this id, in rank order; EngineError if one is missing or malformed."""
     replies: list[dict[str, Any]] = []
     world = 1
     rank = 0
@@ -54,7 +54,7 @@ def read_replies(directory: Path, session: str, verb: str, where: str) -> list[d
         except (OSError, ValueError, RecursionError) as e:
             raise EngineError(f"{where}: rank {rank} left no reply to {verb} at {path} ({e})") from None
         if not isinstance(reply, dict) or reply.get("session") != session or reply.get("verb") != verb:
-            raise EngineError(f"{where}: rank {rank} did not answer {verb} of this session at {path}")
+            raise EngineError(f"{where}: rank {rank} did not answer {verb} for id {session} at {path}")
         if rank == 0:
             world = reply.get("world")  # type: ignore[assignment]
             if type(world) is not int or not 1 <= world <= MAX_RANKS:
