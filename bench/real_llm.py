@@ -179,6 +179,162 @@ def fine_tune(
     return states
 
 
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+
+
+def upcycled_moe(dense: Any) -> Any:
+    """SmolLM2 as a Qwen3-MoE: each MLP split into MOE_EXPERTS experts of its intermediate slices, top-2 routed.
+
+    Fine-grained expert segmentation (DeepSeekMoE, arXiv 2401.06066; Qwen1.5-MoE was upcycled from a
+    dense model this way): expert e is rows `[e * 192, (e + 1) * 192)` of gate and up and those
+    columns of down; attention, norms and embeddings are the dense model's (q/k norms, which Llama
+    lacks, start at one); the routers start at random (std 0.02). Every weight but the routers
+    and q/k norms is a pretrained one, so the fine-tune moves real weights, not an initialization.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    c = dense.config
+    size = c.intermediate_size // MOE_EXPERTS
+    config = Qwen3MoeConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOP_K,
+        norm_topk_prob=True,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters=c.rope_parameters,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+    moe = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    own, theirs = moe.state_dict(), dense.state_dict()
+    with torch.no_grad():
+        for name, t in own.items():
+            if name in theirs:
+                t.copy_(theirs[name])
+        for i, layer in enumerate(moe.model.layers):
+            mlp = dense.model.layers[i].mlp
+            gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+            experts = layer.mlp.experts
+            for e in range(MOE_EXPERTS):
+                rows = slice(e * size, (e + 1) * size)
+                experts.gate_up_proj[e].copy_(torch.cat([gate[rows], up[rows]]))
+                experts.down_proj[e].copy_(down[:, rows])
+            layer.self_attn.q_norm.weight.fill_(1)
+            layer.self_attn.k_norm.weight.fill_(1)
+    return moe
+
+
+def checkpoint_names(model: Any) -> State:
+    """The state in checkpoint naming, as `save_pretrained` writes it (an expert's tensors under its own names)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {n: t.detach().clone() for n, t in revert_weight_conversion(model, checkpoint(model)).items()}
+
+
+def moe_steps(
+    steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, seed: int = 4, text: str = "docstrings"
+) -> list[State]:
+    """States after optimizer steps 0..steps of SmolLM2 upcycled to a Qwen3-MoE (bf16, AdamW), checkpoint naming."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    path = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    dense = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    model = upcycled_moe(dense)
+    del dense
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    states = [checkpoint_names(model)]
+    for tokens in _text_batches(tokenizer, text, batch, length, steps, seed):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        states.append(checkpoint_names(model))
+    return states
+
+
+def expert_density(old: State, new: State) -> list[float]:
+    """Each expert's density over every layer: the share of its elements that changed."""
+    changed, total = [0] * MOE_EXPERTS, [0] * MOE_EXPERTS
+    for name, t in new.items():
+        if ".mlp.experts." in name:
+            e = int(name.split(".mlp.experts.")[1].split(".")[0])
+            changed[e] += int((t.view(torch.int16) != old[name].view(torch.int16)).sum())
+            total[e] += t.numel()
+    return [c / max(n, 1) for c, n in zip(changed, total, strict=True)]
+
+
+def lora_steps(
+    steps: int,
+    lr: float = 1e-4,
+    rank: int = 16,
+    targets: str = "all-linear",
+    batch: int = 4,
+    length: int = 128,
+    seed: int = 5,
+    text: str = "pydoc",
+) -> list[State]:
+    """A PEFT LoRA adapter's states after optimizer steps 0..steps on frozen bf16 SmolLM2 (AdamW), bf16 adapter.
+
+    The adapter is what is published and served (`get_peft_model_state_dict`: `adapter_model.safetensors`'s
+    tensors); it is kept in bf16 (`autocast_adapter_dtype=False`), the dtype vLLM serves it in.
+    """
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    path = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+    model = get_peft_model(base, config, autocast_adapter_dtype=False)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    def adapter() -> State:
+        return {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
+
+    states = [adapter()]
+    for tokens in _text_batches(tokenizer, text, batch, length, steps, seed):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        states.append(adapter())
+    return states
+
+
+def ulp_entropy_bytes(old: State, new: State) -> float:
+    """The order-0 entropy of the step's ULP moves (ordered-integer deltas, zeros included), in bytes: what a
+    per-element coder that knows their exact distribution needs, and no more, ignoring its table."""
+    counts: dict[int, int] = {}
+    total = 0
+    for name, t in new.items():
+        a, b = old[name].reshape(-1).view(torch.int16).to(torch.int32), t.reshape(-1).view(torch.int16).to(torch.int32)
+        a, b = (torch.where(x < 0, x ^ 0x7FFF, x) for x in (a, b))
+        values, n = torch.unique(b - a, return_counts=True)
+        for v, c in zip(values.tolist(), n.tolist(), strict=True):
+            counts[v] = counts.get(v, 0) + c
+        total += a.numel()
+    p = np.array(list(counts.values()), dtype=np.float64) / total
+    return float(-(p * np.log2(p)).sum() * total / 8)
+
+
 def grpo_steps(steps: int, lr: float = 1e-6, seed: int = 0) -> list[State]:
     """States after GRPO steps 0..steps of SmolLM2-135M (TRL's GRPOTrainer, bf16 weights, AdamW): a real RL update.
 
@@ -261,6 +417,11 @@ WORKLOADS: dict[str, tuple[Callable[[int], list[State]], str]] = {
     "grpo": (
         grpo_steps,
         "TRL 1.16 GRPOTrainer, AdamW lr 1e-6, bf16 weights, 8 completions x 32 tokens per step, programmatic reward",
+    ),
+    "moe": (
+        moe_steps,
+        f"SmolLM2 upcycled to a Qwen3-MoE ({MOE_EXPERTS} experts, top-{MOE_TOP_K}), AdamW lr 1e-6, bf16 weights, "
+        "batches of 4 x 128 tokens of standard-library docstrings",
     ),
 }
 # Coded through real publishers, one process per step (a checkpoint hook's `publish --checkpoint`), as well.
@@ -450,6 +611,8 @@ def patches(states: list[State], params: CodecParams | None = None) -> list[dict
         row |= {"ratio_vs_sparse_safetensors": row["sparse_safetensors_bytes"] / ours}
         row |= {"parts_2_ranks_bytes": sharded[step - 2], "parts_over_unsharded": sharded[step - 2] / ours}
         row |= step_statistics(before, old, new)
+        if any(".mlp.experts." in n for n in new):
+            row["expert_density"] = expert_density(old, new)
         rows.append(row)
         reference = encoded
     return rows
@@ -512,6 +675,8 @@ def print_table(result: dict[str, Any]) -> None:
     if "restarted_bytes_equal" in result:
         print(f"publishers restarted every step: the same bytes ({result['restarted_bytes_equal']})")
     for r in result["steps"]:
+        if "expert_density" in r:
+            print(f"step {r['step']} density per expert: " + " ".join(f"{d:.3%}" for d in r["expert_density"]))
         if "leads_bits_per_change" in r:
             print(
                 f"step {r['step']} leads, bits per change: "
@@ -541,7 +706,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per workload (patches: steps - 1)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--leads", action="store_true", help="also order-0 entropies of codings (and leads)")
-    parser.add_argument("--workloads", default="all", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    names = ", ".join(WORKLOADS)
+    parser.add_argument("--workloads", "--workload", default="all", help=f"comma-separated, of {names} (default: all)")
     args = parser.parse_args()
     names = list(WORKLOADS) if args.workloads == "all" else args.workloads.split(",")
     result = measure_all(args.steps, names, args.leads)

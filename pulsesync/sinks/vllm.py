@@ -104,8 +104,10 @@ class VLLMSink(Sink):
             changed = update.changes.positions if base is not None and update.changes is not None else None
             weights = build_update(update.step, update.state, update.digest, base, changed, skip)
             regions = [self._regions(layout, rank, update, session.where) for rank, layout in enumerate(layouts)]
-            cut = base is not None and any(regions)  # a full update is sharded by vLLM's loader on each worker
-            parts = [weights.for_rank(r, g) for r, g in enumerate(regions)] if cut else [weights]
+            elsewhere = [self._elsewhere(layout, session.where) for layout in layouts]
+            cut = base is not None and (any(regions) or any(elsewhere))  # a full update: vLLM's loader shards it
+            cuts = enumerate(zip(regions, elsewhere, strict=True))
+            parts = [weights.for_rank(rank, g, e) for rank, (g, e) in cuts] if cut else [weights]
             self.config.update_dir.mkdir(parents=True, exist_ok=True)
             paths = [self.config.update_dir / f"update-{update.step:012d}.{i}.safetensors" for i in range(len(parts))]
             for path, part in zip(paths, parts, strict=True):
@@ -146,6 +148,13 @@ class VLLMSink(Sink):
             if tensor is not None and tuple(tensor.shape) != region.shape:
                 raise EngineError(f"{where} answered region {spec!r} for {name!r}, which is {tuple(tensor.shape)}")
         return out
+
+    def _elsewhere(self, layout: dict[str, Any], where: str) -> set[str]:
+        """The names a rank's layout says other ranks hold (its experts, under expert parallelism)."""
+        names = layout.get("elsewhere", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise EngineError(f"vllm sink: the layout of {where} answered elsewhere {str(names)[:300]!r}")
+        return set(names)
 
     def _aliases(self, update: Update, aliases: dict[str, str]) -> set[str]:
         """Names the engine ties to another: sent once, and only when the state agrees they are equal."""

@@ -39,7 +39,15 @@ from typing import Any, Protocol
 import torch
 
 from pulsesync.errors import EngineError
-from pulsesync.sinks.vllm_layout import EngineLayout, ModelParams, Slot, UnknownLayout, engine_layout, live_params
+from pulsesync.sinks.vllm_layout import (
+    EngineLayout,
+    ModelParams,
+    Slot,
+    UnknownLayout,
+    engine_layout,
+    live_params,
+    rows,
+)
 from pulsesync.sinks.weight_update import WeightUpdate
 
 log = logging.getLogger("pulsesync.vllm_applier")
@@ -54,6 +62,10 @@ class Rebuilder(Protocol):
 
     def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
         """A twin of the module holding these model-format values, post-processed; the module is untouched."""
+        ...
+
+    def finish(self, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> None:
+        """Complete what the engine's post-load processing leaves undone when it runs a second time."""
         ...
 
 
@@ -71,6 +83,9 @@ class LiveRebuilder:
             twin._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
         _process(twin)
         return twin
+
+    def finish(self, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> None:
+        """Nothing: the module's processing is all there is."""
 
 
 _MODULE_STORES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
@@ -126,7 +141,7 @@ def _process(module: torch.nn.Module) -> None:
 
 def _view(params: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
     shape = slot.local_shape
-    return params[slot.param].data.narrow(0, slot.row_offset, shape[0]).view(shape)
+    return rows(params[slot.param].data).narrow(0, slot.row_offset, shape[0]).view(shape)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -249,7 +264,8 @@ class WeightApplier:
             raise EngineError(f"{source}: the previous update is neither committed nor rolled back")
         if update.base is not None and update.rank is None:  # an uncut delta: take this rank's part
             regions = {n: s.region for n, s in self.layout.slots.items() if s.region is not None}
-            update = update.for_rank(self.rank, regions)
+            update = update.for_rank(self.rank, regions, self.layout.elsewhere)
+        update = update.without(self.layout.elsewhere)  # experts another rank holds (its loader skips them too)
         self.validate(update, source)
         started = time.perf_counter()
         journal = Journal((self.held_step, self.held_digest), (update.step, update.digest), names=update.names)
@@ -413,7 +429,7 @@ class WeightApplier:
         for name in self.layout.modules[module]:
             slot = self.layout.slots[name]
             target = out[slot.param.removeprefix(f"{module}.") if module else slot.param]
-            target.narrow(0, slot.row_offset, slot.local_shape[0]).copy_(parts[name])
+            rows(target).narrow(0, slot.row_offset, slot.local_shape[0]).copy_(parts[name])
         return out
 
     @contextmanager
@@ -435,12 +451,15 @@ class WeightApplier:
 
             def process(layer: torch.nn.Module, _original: Any = method.process_weights_after_loading) -> Any:
                 name = names.get(id(layer))
-                if name is not None:
-                    parts = {n: self.layout.slots[n].take(state[n]) for n in self.layout.modules[name]}
-                    expected = self._model_format(name, parts)
-                    if not all(_same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
-                        misplaced.add(name)
-                return _original(layer)
+                if name is None:
+                    return _original(layer)
+                parts = {n: self.layout.slots[n].take(state[n]) for n in self.layout.modules[name]}
+                expected = self._model_format(name, parts)
+                if not all(_same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
+                    misplaced.add(name)
+                result = _original(layer)
+                self.rebuilder.finish(layer, expected)
+                return result
 
             method.process_weights_after_loading = process
             patched.append(method)
@@ -542,7 +561,24 @@ class VLLMRebuilder:
         for pname, tensor in tensors.items():
             getattr(twin, pname).data.copy_(tensor)
         _process(twin)
+        self.finish(twin, tensors)
         return twin
+
+    def finish(self, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> None:
+        """Prepack a CPU MoE layer's experts when vLLM's processing left them as loaded.
+
+        vLLM 0.32 runs the experts kernel's own processing (on CPU, `cpu_prepack_moe_weight` into
+        the grouped-GEMM layout) only the first time a MoE layer is processed
+        (`UnquantizedFusedMoEMethod._setup_kernel`, `is_weight_update`), so on a reload the CPU
+        kernel would compute from unpacked weights. Weights still bit-equal to what was loaded were
+        not packed (packing data that it leaves unchanged again leaves it unchanged).
+        """
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is None or type(experts).__name__ != "CPUUnquantizedExperts" or "w13_weight" not in loaded:
+            return
+        held = getattr(module, "w13_weight", None)
+        if held is not None and _same_bits(held.data, loaded["w13_weight"]):
+            experts.process_weights_after_loading(module)
 
 
 def vllm_applier(model: torch.nn.Module, vllm_config: Any, rank: int, reload: Any = None) -> WeightApplier:

@@ -13,7 +13,15 @@ vocab_parallel_embedding.py), read from the layer's own attributes:
 - RowParallelLinear: columns `[rank * n, (rank + 1) * n)`; its bias is replicated;
 - VocabParallelEmbedding and ParallelLMHead: vocab rows `[org_vocab_start_index,
   org_vocab_end_index)` at row 0; the padding rows after them hold zeros;
-- any parameter without `output_dim`/`input_dim`: replicated, whole.
+- ReplicatedLinear (a MoE router), and any parameter without `output_dim`/`input_dim`: replicated, whole;
+- RoutedExperts (fused_moe/routed_experts.py): expert e's `gate_proj`/`up_proj`/`down_proj`
+  checkpoint tensors (`<layer_name>.<e>.<name>.weight`) live in `w13_weight` [E_local, 2I/tp, H]
+  (gate rows, then up rows) and `w2_weight` [E_local, H, I/tp] at the expert's local index; the
+  TP cut is rows `[rank * I/tp, +I/tp)` of gate and up, columns of down; under expert parallelism
+  an expert the engine's expert map gives another rank (-1) is held elsewhere (`expert_map`).
+
+Parameters of three or more dimensions are addressed by rows of their leading dimensions
+flattened (`rows`): expert e's down projection is rows `[e * H, (e + 1) * H)` of `w2_weight`.
 
 A parameter sharded any other way (quantized packing, pre-sharded checkpoints, checkpoints that
 already fuse q/k/v, layer kinds not listed) makes its module unknown; the worker then refuses
@@ -37,6 +45,35 @@ _FUSED_KINDS = {"MergedColumnParallelLinear", "QKVParallelLinear"}
 
 ModelParams = Callable[[str, torch.nn.Module], dict[str, torch.Tensor]]
 """A module's parameters in model format (maybe on the meta device, with vLLM's attributes), by name."""
+
+
+def rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as rows: its leading dimensions flattened (a view; 1-D and 2-D tensors as they are)."""
+    return tensor.flatten(0, -2) if tensor.dim() > 2 else tensor
+
+
+def expert_map(num_experts: int, ep_size: int, ep_rank: int, strategy: str = "linear") -> list[int]:
+    """Each global expert's local index on `ep_rank`, -1 where another rank holds it.
+
+    vLLM 0.32's placement (fused_moe/expert_map_manager.py `determine_expert_map`): experts
+    spread evenly, the first `num_experts % ep_size` ranks one more; "linear" gives each rank a
+    contiguous run, "round_robin" every `ep_size`-th expert from `ep_rank`.
+    """
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank {ep_rank} is outside ep_size {ep_size}")
+    base, extra = divmod(num_experts, ep_size)
+    local = base + 1 if ep_rank < extra else base
+    if strategy == "linear":
+        start = ep_rank * base + min(ep_rank, extra)
+        mine = list(range(start, start + local))
+    elif strategy == "round_robin":
+        mine = list(range(ep_rank, num_experts, ep_size))
+    else:
+        raise ValueError(f"unknown expert placement strategy {strategy!r}")
+    out = [-1] * num_experts
+    for index, expert in enumerate(mine):
+        out[expert] = index
+    return out
 
 
 class UnknownLayout(Exception):
@@ -74,6 +111,7 @@ class EngineLayout:
     params: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = field(default_factory=dict)  # model format
     unknown: dict[str, str] = field(default_factory=dict)  # module -> why its layout is not known
     modules: dict[str, list[str]] = field(default_factory=dict)  # module -> its checkpoint names
+    elsewhere: set[str] = field(default_factory=set)  # checkpoint names other ranks hold (expert parallelism)
 
     def describe(self) -> dict[str, Any]:
         """What the sidecar needs: names, aliases, how each module is written, each name's region."""
@@ -87,6 +125,7 @@ class EngineLayout:
             "aliases": self.aliases,
             "in_place": sorted(n for n, s in self.slots.items() if s.module in self.in_place),
             "regions": regions,
+            "elsewhere": sorted(self.elsewhere),
         }
 
 
@@ -127,7 +166,7 @@ def _kinds(module: torch.nn.Module) -> set[str]:
 
 def _module_slots(
     module: torch.nn.Module, mname: str, pname: str, fmt: torch.Tensor, subs: list[str] | None
-) -> list[tuple[str, Slot]]:
+) -> list[tuple[str, Slot | None]]:
     """The checkpoint tensors in parameter `pname` of `module` and where each lies (the rules above)."""
     prefix, _, local = mname.rpartition(".")
     tp, rank = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", 0))
@@ -141,7 +180,7 @@ def _module_slots(
     if subs and subs != [local] and isinstance(sizes, list) and len(sizes) == len(subs):
         if tp > 1 and out_dim != 0:
             raise UnknownLayout(f"{full} is fused but not split by rows")
-        fused: list[tuple[str, Slot]] = []
+        fused: list[tuple[str, Slot | None]] = []
         offset = 0
         qkv: Any = module
         for i, sub in enumerate(subs):
@@ -166,7 +205,7 @@ def _module_slots(
             raise UnknownLayout(f"{full} has added vocabulary")
         start, stop = int(indices.org_vocab_start_index), int(indices.org_vocab_end_index)
         return [(full, Slot(mname, full, 0, (vocab, shape[1]), _region((vocab, shape[1]), 0, start, stop - start)))]
-    if tp == 1 or (out_dim is None and in_dim is None):
+    if tp == 1 or (out_dim is None and in_dim is None) or "ReplicatedLinear" in kinds:
         return [(full, Slot(mname, full, 0, shape))]
     if "RowParallelLinear" in kinds and in_dim == 1:
         whole = (shape[0], shape[1] * tp)
@@ -177,8 +216,42 @@ def _module_slots(
     raise UnknownLayout(f"{full} is sharded by a rule pulsesync does not know ({type(module).__name__})")
 
 
+def _expert_slots(module: torch.nn.Module, mname: str, pname: str, fmt: torch.Tensor) -> list[tuple[str, Slot | None]]:
+    """The experts' checkpoint tensors in `w13_weight`/`w2_weight` of a RoutedExperts (None: another rank's)."""
+    full = f"{mname}.{pname}"
+    moe: Any = module
+    names = (moe.ckpt_gate_proj_name, moe.ckpt_up_proj_name, moe.ckpt_down_proj_name)
+    parallel = moe.moe_config.moe_parallel_config
+    tp, rank = int(parallel.tp_size), int(parallel.tp_rank)
+    if None in names or len(fmt.shape) != 3 or getattr(moe, "is_fused_checkpoint_transposed", False):
+        raise UnknownLayout(f"{full} is not a gated, per-expert MoE weight")
+    engine_map = getattr(moe, "_expert_map", None)
+    local_of = list(range(int(moe.global_num_experts))) if engine_map is None else engine_map.tolist()
+    experts, height, width = (int(d) for d in fmt.shape)
+    if sum(i >= 0 for i in local_of) != experts:
+        raise UnknownLayout(f"{full} holds {experts} experts, its expert map {sum(i >= 0 for i in local_of)}")
+    out: list[tuple[str, Slot | None]] = []
+    for expert, local in enumerate(local_of):
+        prefix = f"{moe.layer_name}.{expert}"
+        if pname == "w13_weight":
+            size = height // 2
+            whole = (size * tp, width)
+            for i, sub in enumerate(names[:2]):
+                region = _region(whole, 0, rank * size, size)
+                slot = Slot(mname, full, local * height + i * size, whole, region)
+                out.append((f"{prefix}.{sub}.weight", slot if local >= 0 else None))
+        elif pname == "w2_weight":
+            whole = (height, width * tp)
+            slot = Slot(mname, full, local * height, whole, _region(whole, 1, rank * width, width))
+            out.append((f"{prefix}.{names[2]}.weight", slot if local >= 0 else None))
+        else:
+            raise UnknownLayout(f"{full}: pulsesync places only the experts' weights (not {pname})")
+    return out
+
+
 def _covered(slots: list[Slot], shape: tuple[int, ...], padded: bool) -> bool:
     """Do the slots of a parameter fill its rows from 0 (up to padding rows, for a vocabulary)?"""
+    shape = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 2 else shape
     end = 0
     for slot in sorted(slots, key=lambda s: s.row_offset):
         if slot.row_offset != end or tuple(slot.local_shape[1:]) != shape[1:]:
@@ -194,7 +267,7 @@ def engine_layout(model: torch.nn.Module, model_params: ModelParams = live_param
     first_name: dict[int, str] = {}
     plain: dict[str, bool] = {}
     by_param: dict[tuple[str, str], list[Slot]] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
+    for mname, module in model.named_modules():  # a module registered twice (a MoE router) counts once
         local = mname.rpartition(".")[2]
         formats: dict[str, torch.Tensor] | None = None
         for pname, param in module.named_parameters(recurse=False):
@@ -214,11 +287,18 @@ def engine_layout(model: torch.nn.Module, model_params: ModelParams = live_param
             layout.params.setdefault(mname, {})[pname] = (tuple(fmt.shape), fmt.dtype)
             plain[mname] = plain.get(mname, True) and _plain(module, param) and tuple(param.shape) == tuple(fmt.shape)
             try:
-                placed = _module_slots(module, mname, pname, fmt, mapping.get(local))
+                placed = (
+                    _expert_slots(module, mname, pname, fmt)
+                    if "RoutedExperts" in _kinds(module)
+                    else _module_slots(module, mname, pname, fmt, mapping.get(local))
+                )
             except UnknownLayout as e:
                 layout.unknown.setdefault(mname, str(e))
                 continue
             for name, slot in placed:
+                if slot is None:
+                    layout.elsewhere.add(name)
+                    continue
                 layout.slots[name] = slot
                 layout.modules.setdefault(mname, []).append(name)
                 by_param.setdefault((mname, pname), []).append(slot)

@@ -15,7 +15,7 @@ each worker receives about its share of a patch (`pulsesync.rank` in the metadat
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,16 +110,29 @@ class WeightUpdate:
             meta[META_RANK] = str(self.rank)
         return tensors, meta
 
-    def for_rank(self, rank: int, regions: Mapping[str, Region]) -> WeightUpdate:
-        """This delta as one engine rank receives it: tensors with a region cut to it, positions made local."""
+    def without(self, names: Collection[str]) -> WeightUpdate:
+        """The update less these tensors (those another engine rank holds, under expert parallelism)."""
+        part = WeightUpdate(self.step, self.digest, self.base, rank=self.rank)
+        part.whole = {n: t for n, t in self.whole.items() if n not in names}
+        part.sparse = {n: s for n, s in self.sparse.items() if n not in names}
+        return part
+
+    def for_rank(
+        self, rank: int, regions: Mapping[str, Region], elsewhere: Collection[str] = frozenset()
+    ) -> WeightUpdate:
+        """This delta as one engine rank receives it: its tensors (not those `elsewhere`), each cut to its region."""
         if self.base is None:
             raise ValueError("a full update goes whole to every rank: vLLM's loader shards it")
         part = WeightUpdate(self.step, self.digest, self.base, rank=rank)
         for name, tensor in self.whole.items():
+            if name in elsewhere:
+                continue
             region = regions.get(name)
             part.whole[name] = tensor if region is None else region.take(tensor)
         for name, (positions, values) in self.sparse.items():
             region = regions.get(name)
+            if name in elsewhere:
+                continue
             if region is None:
                 part.sparse[name] = (positions, values)
                 continue

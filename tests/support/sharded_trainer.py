@@ -15,6 +15,10 @@ whole model of every step to OUT/<layout>/full-<step>.safetensors, for the test 
             rank 0, the head and final norm on the last rank), as pipeline stages do
   experts   plain tensors: each rank owns the MLPs ("experts") of its layers whole; attention and
             embeddings are held by every rank and declared owned by rank 0 (None elsewhere)
+  moe       a tiny Qwen3-MoE (tests/support/vllm_workload.py TINY_QWEN3_MOE) in checkpoint naming
+            (transformers' `revert_weight_conversion`: `...mlp.experts.<e>.gate_proj.weight`): rank r
+            owns the experts vLLM's linear expert map gives EP rank r, whole; the rest is rank 0's.
+            Rank 0 also saves each step as a model directory, OUT/moe/hf-<step>/ (step 0: the launch)
 
 With --kill-step K, rank 1 dies in the middle of step K (its publish queued, then os._exit) and
 the job fails. With --first-step S, a restarted job trains again from the seed and publishes from
@@ -58,6 +62,15 @@ def tiny_llama(uneven: bool) -> torch.nn.Module:
     return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
+def tiny_moe() -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.support.vllm_workload import TINY_QWEN3_MOE
+
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_QWEN3_MOE)).to(torch.bfloat16)
+
+
 def batches(steps: int, vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, vocab, (2, 16), generator=g) for _ in range(steps)]
@@ -86,6 +99,20 @@ def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -
     state = model.state_dict()
     if layout in ("fsdp2", "uneven"):
         return state, {}
+    if layout == "moe":
+        from transformers.core_model_loading import revert_weight_conversion
+
+        from pulsesync.sinks.vllm_layout import expert_map
+
+        experts = model.config.num_experts
+        owner = {e: r for r in range(world) for e, local in enumerate(expert_map(experts, world, r)) if local >= 0}
+        named = revert_weight_conversion(model, dict(state))
+        mine: dict[str, Rows | None] = {}
+        for name in named:
+            expert = int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else None
+            if (owner[expert] if expert is not None else 0) != rank:
+                mine[name] = None
+        return named, mine
     if layout == "tp":
         mesh = _mesh(world)
 
@@ -119,9 +146,17 @@ def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -
     return state, declared
 
 
+def save_model(model: Any, out: Path) -> None:
+    """The model as a directory vLLM serves (save_pretrained: checkpoint naming), with the test tokenizer."""
+    from tests.support.vllm_workload import save_tokenizer
+
+    model.save_pretrained(out)
+    save_tokenizer(out, model.config.vocab_size)
+
+
 def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: int | None, first: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = tiny_llama(layout == "uneven")
+    model = tiny_moe() if layout == "moe" else tiny_llama(layout == "uneven")
     if layout in ("fsdp2", "uneven"):
         from torch.distributed.fsdp import fully_shard
 
@@ -149,6 +184,8 @@ def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: 
         full = full_state(model)  # a collective for FSDP2: every rank takes part
         if rank == 0:
             save_file(full, str(root / f"full-{step}.safetensors"))
+            if layout == "moe":
+                save_model(model, root / f"hf-{step}")
         files = {"config.json": model.config.to_json_string().encode()} if rank == 0 else None
         publisher.publish(step, state, files)
         if step == kill_step and rank == 1:

@@ -24,6 +24,20 @@ TINY_LLAMA = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
+TINY_QWEN3_MOE = {  # the tiny MoE of issue 52's check: vLLM's CPU experts kernel serves it at TP=1 and TP=2
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,  # a multiple of 32: no padding in the CPU kernel's packing
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 STEPS = 7
 PROMPTS = [[1, *range(10, 40)], [1, *range(500, 520)], [1, 7, 7, 7, 900, 3]]
 LONG_PROMPT = [1, *range(100, 228)]  # prefix-cached before an update, asked again after it
