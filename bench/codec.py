@@ -374,7 +374,7 @@ def main() -> None:
     parser.add_argument(
         "--real-llm-workloads",
         default="all",
-        help=f"the real LLM's fine-tunes, comma-separated, of {', '.join(real_llm.WORKLOADS)} (default: all)",
+        help=f"the real LLM's fine-tunes, comma-separated, of {', '.join(real_llm.ALL_WORKLOADS)} (default: all)",
     )
     args = parser.parse_args()
     hidden = args.hidden or (512 if args.quick else 1024)
@@ -385,7 +385,8 @@ def main() -> None:
     t0 = time.perf_counter()
     sections = {w: run_workload(w, args, hidden, measured, reps) for w in WORKLOADS}
     llm_steps = args.real_llm_steps if args.real_llm_steps is not None else (4 if args.quick else 6)
-    names = list(real_llm.WORKLOADS) if args.real_llm_workloads == "all" else args.real_llm_workloads.split(",")
+    every = list(real_llm.ALL_WORKLOADS)
+    names = every if args.real_llm_workloads == "all" else args.real_llm_workloads.split(",")
     llm = real_llm.measure_all(llm_steps, names) if llm_steps else None
     if llm is not None:
         real_llm.print_all(llm)
@@ -405,7 +406,12 @@ def main() -> None:
         "real_like_ratio_vs_pulse": real["methods"]["pulsesync v2 stateless"]["ratio_vs_baseline"],
         "history_ratio_vs_pulse": real["methods"]["pulsesync v2 history-coded (default)"]["ratio_vs_baseline"],
         # Real causal LLM fine-tunes (bench/real_llm.py): the worst step of all of them, to PULSE's default.
-        "real_llm_ratio_vs_pulse": llm["worst_ratio_vs_pulse"] if llm else None,
+        "real_llm_ratio_vs_pulse": llm.get("worst_ratio_vs_pulse") if llm else None,
+        # The MoE fine-tune's worst step to PULSE's default; the LoRA fine-tunes' worst step against the
+        # order-0 entropy of its ULP moves, and its ratio to the raw bf16 adapter.
+        "moe_ratio_vs_pulse": llm.get("moe_ratio_vs_pulse") if llm else None,
+        "lora_bytes_over_entropy_bound": llm.get("lora_bytes_over_entropy_bound") if llm else None,
+        "lora_ratio_vs_raw": llm.get("lora_ratio_vs_raw") if llm else None,
         "real_llm": llm,
         "workloads": sections,
         "machine": {"cpus": default_threads(), "python": platform.python_version(), "torch": torch.__version__},
@@ -419,7 +425,7 @@ def main() -> None:
         print("\n".join(str(p) for p in plots.codec(doc, args.plots)))
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
     if llm is not None:
-        enforce([real_llm.contract(llm)])
+        enforce(real_llm.contracts(llm))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from pulsesync.publisher import AsyncPublisher, Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.rebuild import apply_step, reconstruct
 from pulsesync.store import FileStore, Store
+from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.helpers import assert_states_equal, ready_kinds, trainer_states
 from tests.support.helpers import publisher_config as config
 from tests.support.recording_store import RecordingStore
@@ -162,6 +164,25 @@ async def test_a_patch_that_fails_after_retries_is_replaced_by_an_anchor(store: 
     await assert_every_step_rebuilds(store, key, trainer_states(9))
 
 
+async def test_a_step_whose_files_changed_is_an_anchor_and_subscribers_serve_the_new_files(
+    store: Store, key: Ed25519PrivateKey
+) -> None:
+    """A patch carries no files: a changed adapter_config.json (a LoRA rank change) must reach subscribers."""
+    states = trainer_states(6)
+    old, new = {"adapter_config.json": b'{"r": 8}'}, {"adapter_config.json": b'{"r": 16}'}
+    async with AsyncPublisher(config(), store=store, signing_key=key) as publisher:
+        for step in range(6):
+            await publisher.publish(step, states[step], old if step < 3 else new)
+    ready = await ready_kinds(ChainClient(store, trusted(key)))  # type: ignore[arg-type]
+    assert ready[3] == {"anchor"} and ready[2] == ready[4] == {"patch"}
+    sub = Subscriber(SubscriberConfig(), store=store, trusted=trusted(key))  # type: ignore[arg-type]
+    await sub.sync(2)
+    assert sub.files == old
+    await sub.sync(4)
+    assert sub.files == new
+    assert_states_equal(dict(sub.state or {}), states[4])
+
+
 async def test_a_second_publisher_on_the_prefix_gets_conflict_and_overwrites_nothing(
     store: Store, key: Ed25519PrivateKey
 ) -> None:
@@ -261,7 +282,7 @@ async def test_a_publisher_restarted_every_step_writes_the_bytes_an_uninterrupte
     each = settings.model_copy(update={"cache_dir": tmp_path / "cache" if cache else None})
     for step in range(steps):
         async with AsyncPublisher(each, store=restarted, signing_key=key) as publisher:
-            await publisher.publish(step, states[step])
+            await publisher.publish(step, states[step], {"config.json": b'{"model_type": "t"}'})  # unchanged files
 
     chains = [ChainClient(s, trusted(key)) for s in (whole, restarted)]  # type: ignore[arg-type]
     kinds = [await ready_kinds(c) for c in chains]

@@ -217,6 +217,54 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
     assert_states_equal(final.state, {n: t.detach() for n, t in model.state_dict().items()})
 
 
+@pytest.mark.parametrize("kind", ["lora", "moe"])
+def test_trainer_callback_publishes_a_lora_adapter_or_moe_experts_under_checkpoint_names(
+    tmp_path: Path, kind: str
+) -> None:
+    """A PEFT model publishes its adapter and adapter_config.json; a MoE model one tensor per expert."""
+    from pulsesync.integrations.transformers import PulseSyncCallback
+    from tests.support.hf_trainer_proc import TINY_QWEN2
+    from tests.support.vllm_workload import TINY_QWEN3_MOE
+
+    signing.write_keypair(tmp_path)
+    config = PublisherConfig.model_validate(
+        {"store": {"url": (tmp_path / "store").as_uri()}, "signing_key": str(tmp_path / "publisher.key")}
+    )
+    torch.manual_seed(0)
+    if kind == "lora":
+        peft = pytest.importorskip("peft")
+        base = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY_QWEN2))
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    else:
+        moe = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE | {"num_hidden_layers": 1})
+        model = transformers.Qwen3MoeForCausalLM(moe)
+    ids = torch.randint(0, 512, (4, 16))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+    )
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    callback = PulseSyncCallback(config)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+
+    reader = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
+    final = asyncio.run(reconstruct(reader, 2))
+    if kind == "lora":
+        expected = peft.get_peft_model_state_dict(model)
+        assert json.loads(final.files["adapter_config.json"])["r"] == 4 and "config.json" not in final.files
+        assert all(".lora_A." in n or ".lora_B." in n for n in final.state)
+    else:
+        expected = transformers.core_model_loading.revert_weight_conversion(model, model.state_dict())
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in final.state
+    assert_states_equal(final.state, {n: t.detach() for n, t in expected.items()})
+
+
 def test_cli_publish_synthetic_trainer_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     key_dir = tmp_path / "keys"
     signing.write_keypair(key_dir)

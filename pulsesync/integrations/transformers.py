@@ -5,6 +5,11 @@ Each optimizer step (`on_step_end`) the main process publishes the model's weigh
 that starts from step 0 first publishes the initial weights as step 0 (`on_train_begin`), so
 engines launched from any checkpoint converge to a known policy before the first update. Anchors
 carry the model's config.json and generation_config.json, so they open with `from_pretrained`.
+Weights go out under their checkpoint names, as `save_pretrained` writes them (transformers 5 fuses a
+MoE layer's experts in memory; engines load one tensor per expert).
+
+A PEFT model (LoRA) publishes its adapter only: `get_peft_model_state_dict` and the adapter's
+`adapter_config.json`, the directory the `vllm_lora` sink serves (docs/engines.md).
 
 Several ranks (FSDP2, data parallel): every rank publishes its own `model.state_dict()` through a
 sharded Publisher: each uploads what it owns (FSDP2's DTensor shards; one replica of a replicated
@@ -31,6 +36,25 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.coordinator import multi_rank
 
 StateDictFn = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "active_adapter")
+
+
+def checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
+    """What a checkpoint of the model holds, by its names: a PEFT model's adapter, or the weights as
+    `save_pretrained` names them (`revert_weight_conversion` undoes transformers' in-memory fusing)."""
+    if _is_peft(model):
+        from peft import get_peft_model_state_dict
+
+        return dict(get_peft_model_state_dict(model))
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: its state dict is in checkpoint names
+        return dict(state)
+    return dict(revert_weight_conversion(model, state))
 
 
 class PulseSyncCallback(TrainerCallback):
@@ -70,13 +94,16 @@ class PulseSyncCallback(TrainerCallback):
         return self._state_dict_fn is None and multi_rank()
 
     def _model_files(self, model: Any) -> dict[str, Path]:
-        """config.json and generation_config.json of the model, written once."""
+        """config.json and generation_config.json of the model (a PEFT model: adapter_config.json), written once."""
         if self._files is None:
             out = Path(self._files_dir.name)
             self._files = {}
-            for attr in ("config", "generation_config"):
-                if (cfg := getattr(model, attr, None)) is not None and hasattr(cfg, "save_pretrained"):
-                    cfg.save_pretrained(out)
+            if _is_peft(model):
+                model.peft_config[model.active_adapter].save_pretrained(out)
+            else:
+                for attr in ("config", "generation_config"):
+                    if (cfg := getattr(model, attr, None)) is not None and hasattr(cfg, "save_pretrained"):
+                        cfg.save_pretrained(out)
             self._files = {p.name: p for p in out.glob("*.json")}
         return self._files
 
@@ -97,8 +124,10 @@ class PulseSyncCallback(TrainerCallback):
             return
         if self._state_dict_fn is not None:
             weights = self._state_dict_fn(model)  # collective: every rank takes part
-        elif self._sharded or state.is_world_process_zero:
+        elif self._sharded:
             weights = model.state_dict()
+        elif state.is_world_process_zero:
+            weights = checkpoint_state(model)
         else:
             return
         if self._sharded or state.is_world_process_zero:

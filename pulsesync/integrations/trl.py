@@ -69,17 +69,25 @@ def rollout_func(
     lag_timeout_seconds: float = 600.0,
     api_key: str | None = None,
     model: str | None = None,
+    adapter: str | None = None,
     sampling: dict[str, Any] | None = None,
     seed: int = 0,
     on_batch: Callable[[RolloutBatch], None] | None = None,
 ) -> RolloutFunc:
     """A TRL `rollout_func` that generates on the vLLM server at `url`, at most `max_lag` steps behind the trainer.
 
+    `adapter`: generate with this LoRA adapter (the `vllm_lora` sink's name), tagged with its step.
     `sampling` overrides the parameters taken from the trainer's arguments; `on_batch` sees every
     batch (its policy, lag and the exact requests, which replay on a fresh server).
     """
     client = RolloutClient(
-        url, max_lag=max_lag, model=model, api_key=api_key, lag_timeout_seconds=lag_timeout_seconds, seed=seed
+        url,
+        max_lag=max_lag,
+        model=model,
+        adapter=adapter,
+        api_key=api_key,
+        lag_timeout_seconds=lag_timeout_seconds,
+        seed=seed,
     )
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:

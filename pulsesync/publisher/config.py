@@ -12,7 +12,8 @@ from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.sharding.config import ShardingConfig
 
 # Non-weight files of a checkpoint directory that anchors carry, so an anchor opens with
-# transformers' from_pretrained, vLLM and SGLang as is (config, generation config, tokenizer).
+# transformers' from_pretrained, vLLM and SGLang as is (config, generation config, tokenizer, a
+# LoRA adapter's config).
 DEFAULT_ANCHOR_FILES = [
     "config.json",
     "generation_config.json",
@@ -28,6 +29,7 @@ DEFAULT_ANCHOR_FILES = [
     "chat_template.json",
     "preprocessor_config.json",
     "*.tiktoken",
+    "adapter_config.json",  # a PEFT adapter's (the vllm_lora sink loads its directory)
 ]
 
 

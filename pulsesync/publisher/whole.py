@@ -86,6 +86,7 @@ class WholeModelRounds(Rounds):
             return
         self._base = await resume_baseline(self.chain, ready, self.config.cache_dir, self.config.codec.threads)
         if self._base is not None:
+            self._files = self._base.files | self._files  # what subscribers serve: a step's new files need an anchor
             with contextlib.suppress(PulseSyncError):  # the kinds since the last anchor, for the schedule
                 await self.chain.walk(max(ready), lambda s: "anchor" in ready.get(s, ()))
             self._schedule.resume(ready)
@@ -132,17 +133,23 @@ class WholeModelRounds(Rounds):
             await asyncio.to_thread(state_cache.save, self.config.cache_dir, replace(self._base, history=history))
 
     async def publish(self, snap: HostCopy) -> None:
+        # Only anchors carry files: a step whose files changed (a LoRA adapter's new rank) is one.
+        files_changed = any(self._files.get(name) != data for name, data in snap.files.items())
         self._files |= snap.files
         t0 = time.perf_counter()
         algorithm = self.config.codec.digest_algorithm
         digest: StateDigest | None = None
-        if self._base is None or algorithm not in INCREMENTAL or self._base.digest.algorithm != algorithm:
+        base = self._base
+        anchor = base is None or files_changed
+        if base is None or anchor or algorithm not in INCREMENTAL or base.digest.algorithm != algorithm:
             digest = await self._full_digest(snap.state)
         # else: the encoder updates the baseline's digest from the changed elements (O(patch))
         timing = StepTiming(snap.seconds, time.perf_counter() - t0)
         await self._guard.check(snap.step)
-        if self._base is None:
+        if anchor:
             assert digest is not None
+            if base is not None:
+                log.info("step %d: its files changed; published as an anchor, which carries them", snap.step)
             return await self._anchor_instead(snap, digest, timing)
         try:
             report, digest = await self._publish_patch(snap, digest, timing)
@@ -172,7 +179,7 @@ class WholeModelRounds(Rounds):
 
     def _advance(self, snap: HostCopy, digest: StateDigest) -> None:
         """Move the baseline to a committed step (never called before the ready marker is written)."""
-        old, self._base = self._base, VerifiedState(snap.step, snap.state, digest)
+        old, self._base = self._base, VerifiedState(snap.step, snap.state, digest, dict(self._files))
         if old is not None:
             self.pool.release(old.state)
 

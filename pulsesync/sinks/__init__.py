@@ -1,4 +1,4 @@
-"""Sinks: where a subscriber delivers verified states (directory, command, SGLang, vLLM; modules via Subscriber).
+"""Sinks: where a subscriber delivers verified states (directory, command, SGLang, vLLM, a vLLM LoRA adapter).
 
 The sinks' settings live in `config` (`SinkConfig`: the union a subscriber config lists), read without loading a sink.
 """
@@ -15,6 +15,7 @@ from pulsesync.sinks.config import (
     DirectorySinkConfig,
     SGLangSinkConfig,
     SinkConfig,
+    VLLMLoRASinkConfig,
     VLLMSinkConfig,
 )
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from pulsesync.sinks.directory import DirectorySink as DirectorySink
     from pulsesync.sinks.sglang import SGLangSink as SGLangSink
     from pulsesync.sinks.vllm import VLLMSink as VLLMSink
+    from pulsesync.sinks.vllm_lora import VLLMLoRASink as VLLMLoRASink
 
 # The sinks load on first use: a subscriber config reads its `sinks:` without torch.
 __getattr__, __dir__, _lazy = lazy_loader.attach(
@@ -35,6 +37,7 @@ __getattr__, __dir__, _lazy = lazy_loader.attach(
         "directory": ["DirectorySink"],
         "sglang": ["SGLangSink"],
         "vllm": ["VLLMSink"],
+        "vllm_lora": ["VLLMLoRASink"],
     },
 )
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "DirectorySinkConfig",
     "SGLangSinkConfig",
     "SinkConfig",
+    "VLLMLoRASinkConfig",
     "VLLMSinkConfig",
     "build_sinks",
 ]
@@ -54,6 +58,7 @@ def build_sinks(configs: list[SinkConfig]) -> list[Sink]:
     from pulsesync.sinks.directory import DirectorySink
     from pulsesync.sinks.sglang import SGLangSink
     from pulsesync.sinks.vllm import VLLMSink
+    from pulsesync.sinks.vllm_lora import VLLMLoRASink
 
     sinks: list[Sink] = []
 
@@ -68,4 +73,6 @@ def build_sinks(configs: list[SinkConfig]) -> list[Sink]:
             sinks.append(SGLangSink(c))
         elif isinstance(c, VLLMSinkConfig):
             sinks.append(VLLMSink(c))
+        elif isinstance(c, VLLMLoRASinkConfig):
+            sinks.append(VLLMLoRASink(c))
     return sinks

@@ -74,6 +74,34 @@ class VLLMSinkConfig(BaseModel):
         return v.expanduser().resolve()  # the engine resolves paths from its own working directory
 
 
+class VLLMLoRASinkConfig(BaseModel):
+    """Serve each verified step of a LoRA adapter from a vLLM server under one name (`/v1/load_lora_adapter`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["vllm_lora"] = "vllm_lora"
+    url: str = Field(
+        description="the vLLM server, e.g. http://127.0.0.1:8000 (started with --enable-lora, "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and VLLM_SERVER_DEV_MODE=1)"
+    )
+    adapter_name: str = Field(min_length=1, description="the name requests use (`model`): one adapter, every step")
+    adapter_dir: Path = Field(
+        description="where each step's adapter directory is written; the vLLM server must read this path"
+    )
+    keep: int = Field(2, ge=1, description="adapter directories kept (the served one always)")
+    pause_mode: Literal["wait", "abort", "keep"] = Field(
+        "wait", description="POST /pause mode around the load: drain running requests, abort them, or freeze them"
+    )
+    api_key: str | None = Field(None, description="bearer token, for a server started with --api-key")
+    timeout_seconds: float = Field(600.0, gt=0, description="per request")
+
+    @field_validator("adapter_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()  # vLLM reads it from its own working directory
+
+
 SinkConfig = Annotated[
-    DirectorySinkConfig | CommandSinkConfig | SGLangSinkConfig | VLLMSinkConfig, Field(discriminator="type")
+    DirectorySinkConfig | CommandSinkConfig | SGLangSinkConfig | VLLMSinkConfig | VLLMLoRASinkConfig,
+    Field(discriminator="type"),
 ]

@@ -53,9 +53,10 @@ class VLLMServer:
         eager: bool = False,
         engine_api: str = "worker_extension",
         extra: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.model, self.log, self.tensor_parallel = model, log, tensor_parallel
-        self.engine_api, self.extra = engine_api, extra or []
+        self.engine_api, self.extra, self.env = engine_api, extra or [], dict(env or {})
         self.eager = eager or tensor_parallel > 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -68,14 +69,18 @@ class VLLMServer:
     def launch(self) -> VLLMServer:
         """Start the process without waiting (several servers start faster side by side)."""
         assert VLLM_PYTHON is not None
-        env = os.environ | {
-            "VLLM_SERVER_DEV_MODE": "1",
-            # The CPU build refuses TP without a core per rank ("Not enough allowed NUMA nodes").
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(self.tensor_parallel)))
-            if self.tensor_parallel > 1
-            else "nobind",
-            "OMP_NUM_THREADS": "1",
-        }
+        env = (
+            os.environ
+            | {
+                "VLLM_SERVER_DEV_MODE": "1",
+                # The CPU build refuses TP without a core per rank ("Not enough allowed NUMA nodes").
+                "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(self.tensor_parallel)))
+                if self.tensor_parallel > 1
+                else "nobind",
+                "OMP_NUM_THREADS": "1",
+            }
+            | self.env
+        )
         argv = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
         argv += [
             "--served-model-name",

@@ -78,12 +78,45 @@ def train(root: Path, config: dict[str, Any] = TINY_LLAMA, steps: int = STEPS) -
         settled(ckpt)
 
 
+LORA_RANK = 8
+
+
+def train_lora(root: Path, steps: int = 6, refused_rank: int = 2 * LORA_RANK) -> None:
+    """A PEFT LoRA adapter (bf16, every linear layer) on the tiny Llama in root/launch, trained with AdamW.
+
+    Each step's adapter directory (`save_pretrained`: adapter_model.safetensors, adapter_config.json) is
+    root/checkpoints/checkpoint-<step>; step `steps + 1` is an adapter of rank `refused_rank`, which a
+    server started with `--max-lora-rank LORA_RANK` refuses.
+    """
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
+    base.save_pretrained(root / "launch")
+    save_tokenizer(root / "launch")
+    for step, rank in [*((s, LORA_RANK) for s in range(1, steps + 1)), (steps + 1, refused_rank)]:
+        if step in (1, steps + 1):
+            config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+            model = get_peft_model(base, config, autocast_adapter_dtype=False)
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt = root / "checkpoints" / f"checkpoint-{step}"
+        model.save_pretrained(ckpt)
+        settled(ckpt)
+        if step == steps:
+            base = model.unload()  # the base model without this adapter, for the refused one
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pulsesync.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-async def completion(url: str, prompt: list[int], max_tokens: int = 8) -> list[float]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
+async def completion(url: str, prompt: list[int], max_tokens: int = 8, model: str = "tiny") -> list[float]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1}
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
         reply = await r.json()
     assert r.status == 200, reply
@@ -91,8 +124,8 @@ async def completion(url: str, prompt: list[int], max_tokens: int = 8) -> list[f
     return logprobs
 
 
-async def greedy_logprobs(url: str) -> list[list[float]]:
-    return [await completion(url, p) for p in [*PROMPTS, LONG_PROMPT]]
+async def greedy_logprobs(url: str, model: str = "tiny") -> list[list[float]]:
+    return [await completion(url, p, model=model) for p in [*PROMPTS, LONG_PROMPT]]
 
 
 async def rpc(url: str, method: str, *args: str) -> dict[str, Any]:
