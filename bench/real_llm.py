@@ -704,6 +704,11 @@ def print_table(result: dict[str, Any]) -> None:
     if "restarted_bytes_equal" in result:
         print(f"publishers restarted every step: the same bytes ({result['restarted_bytes_equal']})")
     for r in result["steps"]:
+        if "bytes_over_entropy_bound" in r:
+            print(
+                f"step {r['step']}: order-0 entropy of its ULP moves {r['entropy_bound_bytes']:,.0f} bytes, "
+                f"pulsesync {r['bytes_over_entropy_bound']:.3f}x that, {r['ratio_vs_raw']:.2f}x smaller than raw bf16"
+            )
         if "expert_density" in r:
             print(f"step {r['step']} density per expert: " + " ".join(f"{d:.3%}" for d in r["expert_density"]))
         if "leads_bits_per_change" in r:
