@@ -154,10 +154,8 @@ def _text_batches(tokenizer: Any, text: str, batch: int, length: int, steps: int
     return [torch.stack([ids[s : s + length] for s in row.tolist()]) for row in starts]
 
 
-def fine_tune(
-    steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, seed: int = 0, text: str = "pydoc"
-) -> list[State]:
-    """States after optimizer steps 0..steps of SmolLM2-135M (bf16 weights, AdamW), each a copy."""
+def smollm2(seed: int) -> tuple[Any, Any]:
+    """SmolLM2-135M's tokenizer and model (bf16), after seeding torch's generator."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -167,16 +165,32 @@ def fine_tune(
     path = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    return tokenizer, model
+
+
+def train_steps(
+    model: Any, tokens: list[torch.Tensor], lr: float, snapshot: Callable[[], State], trained: Any = None
+) -> list[State]:
+    """The snapshots before and after each AdamW step on `trained` (default: every parameter), one batch a step."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    states = [checkpoint(model)]
-    for tokens in _text_batches(tokenizer, text, batch, length, steps, seed):
-        loss = model(input_ids=tokens, labels=tokens).loss
+    optimizer = torch.optim.AdamW(model.parameters() if trained is None else trained, lr=lr)
+    states = [snapshot()]
+    for batch in tokens:
+        loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        states.append(checkpoint(model))
+        states.append(snapshot())
     return states
+
+
+def fine_tune(
+    steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, seed: int = 0, text: str = "pydoc"
+) -> list[State]:
+    """States after optimizer steps 0..steps of SmolLM2-135M (bf16 weights, AdamW), each a copy."""
+    tokenizer, model = smollm2(seed)
+    tokens = _text_batches(tokenizer, text, batch, length, steps, seed)
+    return train_steps(model, tokens, lr, lambda: checkpoint(model))
 
 
 MOE_EXPERTS, MOE_TOP_K = 8, 2
@@ -242,27 +256,11 @@ def moe_steps(
     steps: int, lr: float = 1e-6, batch: int = 4, length: int = 128, seed: int = 4, text: str = "docstrings"
 ) -> list[State]:
     """States after optimizer steps 0..steps of SmolLM2 upcycled to a Qwen3-MoE (bf16, AdamW), checkpoint naming."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    path = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    dense = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    tokenizer, dense = smollm2(seed)
     model = upcycled_moe(dense)
     del dense
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    states = [checkpoint_names(model)]
-    for tokens in _text_batches(tokenizer, text, batch, length, steps, seed):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        states.append(checkpoint_names(model))
-    return states
+    tokens = _text_batches(tokenizer, text, batch, length, steps, seed)
+    return train_steps(model, tokens, lr, lambda: checkpoint_names(model))
 
 
 def expert_density(old: State, new: State) -> list[float]:
@@ -292,31 +290,16 @@ def lora_steps(
     tensors); it is kept in bf16 (`autocast_adapter_dtype=False`), the dtype vLLM serves it in.
     """
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    torch.manual_seed(seed)
-    path = smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+    tokenizer, base = smollm2(seed)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
     model = get_peft_model(base, config, autocast_adapter_dtype=False)
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
     def adapter() -> State:
         return {n: t.detach().clone() for n, t in get_peft_model_state_dict(model).items()}
 
-    states = [adapter()]
-    for tokens in _text_batches(tokenizer, text, batch, length, steps, seed):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        states.append(adapter())
-    return states
+    tokens = _text_batches(tokenizer, text, batch, length, steps, seed)
+    return train_steps(model, tokens, lr, adapter, [p for p in model.parameters() if p.requires_grad])
 
 
 def ulp_entropy_bytes(old: State, new: State) -> float:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -170,6 +171,23 @@ def test_cli_publish_rejects_bad_config_naming_the_key(tmp_path: Path, capsys: p
     assert "signing_key" in capsys.readouterr().err
 
 
+def train_with(callback: Any, model: Any, tmp_path: Path, steps: int, lr: float) -> None:
+    """A transformers Trainer run of `steps` optimizer steps on random tokens, batches of 2, with the callback."""
+    ids = torch.randint(0, 512, (2 * steps, 16))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=lr,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        logging_strategy="no",
+    )
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+
+
 def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path) -> None:
     from pulsesync.integrations.transformers import PulseSyncCallback
     from tests.support.hf_trainer_proc import TINY_QWEN2
@@ -187,22 +205,8 @@ def test_trainer_callback_publishes_every_step_and_serves_metrics(tmp_path: Path
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**TINY_QWEN2))
-    ids = torch.randint(0, 512, (8, 16))
-    data = [{"input_ids": row, "labels": row} for row in ids]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        learning_rate=1e-4,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        logging_strategy="no",
-    )
     initial = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    callback = PulseSyncCallback(config)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
-    trainer.train()
+    train_with(PulseSyncCallback(config), model, tmp_path, steps=3, lr=1e-4)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'pulsesync_published_total{kind="patch"}' in text and "pulsesync_publish_stage_seconds_bucket" in text
     with pytest.raises(ConfigError, match=f"metrics_port {port}: cannot serve"):
@@ -238,20 +242,7 @@ def test_trainer_callback_publishes_a_lora_adapter_or_moe_experts_under_checkpoi
     else:
         moe = transformers.Qwen3MoeConfig(**TINY_QWEN3_MOE | {"num_hidden_layers": 1})
         model = transformers.Qwen3MoeForCausalLM(moe)
-    ids = torch.randint(0, 512, (4, 16))
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        logging_strategy="no",
-    )
-    data = [{"input_ids": row, "labels": row} for row in ids]
-    callback = PulseSyncCallback(config)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    train_with(PulseSyncCallback(config), model, tmp_path, steps=2, lr=1e-3)
 
     reader = ChainClient(FileStore(tmp_path / "store"), signing.trusted_keys([tmp_path / "publisher.pub"]))
     final = asyncio.run(reconstruct(reader, 2))
