@@ -264,7 +264,7 @@ class WeightApplier:
             raise EngineError(f"{source}: the previous update is neither committed nor rolled back")
         if update.base is not None and update.rank is None:  # an uncut delta: take this rank's part
             regions = {n: s.region for n, s in self.layout.slots.items() if s.region is not None}
-            update = update.for_rank(self.rank, regions, self.layout.elsewhere)
+            update = update.for_rank(self.rank, regions)
         update = update.without(self.layout.elsewhere)  # experts another rank holds (its loader skips them too)
         self.validate(update, source)
         started = time.perf_counter()

@@ -130,9 +130,9 @@ class WeightUpdate:
             region = regions.get(name)
             part.whole[name] = tensor if region is None else region.take(tensor)
         for name, (positions, values) in self.sparse.items():
-            region = regions.get(name)
             if name in elsewhere:
                 continue
+            region = regions.get(name)
             if region is None:
                 part.sparse[name] = (positions, values)
                 continue
