@@ -243,6 +243,8 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         reset_stream=args.reset_stream or None,
     )
+    if args.fallback_store:
+        config = _with_fallback_stores(config, args.fallback_store, args.fallback_endpoint_url or [])
     from pulsesync.subscriber import Subscriber  # after the config: a config error answers without torch
 
     logging.getLogger("pulsesync.subscriber").setLevel(logging.INFO)  # one line per served step
@@ -260,6 +262,24 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def _with_fallback_stores(config: Any, urls: list[str], endpoints: list[str]) -> Any:
+    """The config with `stores`: its store first, then each --fallback-store with its --fallback-endpoint-url."""
+    from pulsesync.errors import ConfigError
+
+    if len(endpoints) not in (0, 1, len(urls)):
+        raise ConfigError(
+            f"--fallback-endpoint-url: give one for every --fallback-store ({len(urls)}), or one for all of them"
+        )
+    from pulsesync.store.config import StoreConfig
+
+    first = config.store_list
+    fallbacks = []
+    for i, url in enumerate(urls):
+        endpoint = endpoints[min(i, len(endpoints) - 1)] if endpoints else None
+        fallbacks.append(StoreConfig.model_validate(first[-1].model_dump() | {"url": url, "endpoint_url": endpoint}))
+    return config.model_copy(update={"store": StoreConfig(), "stores": [*first, *fallbacks]})
 
 
 def _cmd_retain(args: argparse.Namespace) -> int:
@@ -301,6 +321,47 @@ def _cmd_retain(args: argparse.Namespace) -> int:
                 print(("would have: " if config.dry_run else "") + plan.summary())
                 return
             await worker.run(_stop_on_signals())
+
+    asyncio.run(run())
+    return 0
+
+
+def _cmd_mirror(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pulsesync.mirror.config import MirrorConfig
+
+    flags = {
+        "store.url": args.store,
+        "store.endpoint_url": args.endpoint_url,
+        "target.url": args.to,
+        "target.endpoint_url": args.to_endpoint_url,
+        "interval_seconds": args.interval,
+        "metrics_port": args.metrics_port,
+    }
+    config = load_config(MirrorConfig, args.config, flags)
+    if args.trusted_key:
+        config = config.model_copy(update={"trusted_keys": [*config.trusted_keys, *args.trusted_key]})
+    from pulsesync.errors import ConfigError
+
+    if config.target.url is None:
+        raise ConfigError("target.url: a mirror needs a store to copy to (--to)")
+    from pulsesync import metrics  # after the config: a config error answers without torch
+    from pulsesync.mirror import Mirror
+    from pulsesync.protocol import signing
+    from pulsesync.store import open_store
+
+    trusted = signing.trusted_keys(config.trusted_keys)
+    logging.getLogger("pulsesync.mirror").setLevel(logging.INFO)  # one line per pass that copied
+
+    async def run() -> None:
+        metrics.serve(config.metrics_port)
+        async with open_store(config.store) as origin, open_store(config.target) as target:
+            mirror = Mirror(origin, target, config, trusted)
+            if args.once:
+                print((await mirror.run_once()).summary())
+                return
+            await mirror.run(_stop_on_signals())
 
     asyncio.run(run())
     return 0
@@ -489,6 +550,16 @@ def build_parser() -> argparse.ArgumentParser:
     subscribe.add_argument("--step", type=int, metavar="N", help="sync to step N instead of the newest")
     subscribe.add_argument("--metrics-port", type=int, metavar="PORT", help="serve /metrics and /healthz on PORT")
     subscribe.add_argument(
+        "--fallback-store",
+        action="append",
+        metavar="URL",
+        help="a store to read when --store lags, withholds or fails verification (repeatable, in order; --store is "
+        "then a mirror and the origin comes last)",
+    )
+    subscribe.add_argument(
+        "--fallback-endpoint-url", action="append", metavar="URL", help="S3 endpoint of each --fallback-store"
+    )
+    subscribe.add_argument(
         "--reset-stream",
         action="store_true",
         help="follow the store's newest publishing stream, not the one --cache-dir learned (a deliberate switch)",
@@ -507,6 +578,18 @@ def build_parser() -> argparse.ArgumentParser:
     retain.add_argument("--dry-run", action="store_true", help="print exactly what would be deleted, delete nothing")
     retain.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on PORT")
     retain.set_defaults(run=_cmd_retain)
+
+    mirror = commands.add_parser(
+        "mirror",
+        parents=[common, trusted_flag],
+        help="copy each committed step from --store to --to, verified, in commit order (a regional relay)",
+    )
+    mirror.add_argument("--to", metavar="URL", help="the store to copy to (s3://bucket/prefix or file:///path)")
+    mirror.add_argument("--to-endpoint-url", metavar="URL", help="S3 endpoint of --to")
+    mirror.add_argument("--once", action="store_true", help="copy what is missing now, print one line, exit")
+    mirror.add_argument("--interval", type=float, metavar="S", help="seconds between passes (default 1)")
+    mirror.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics on PORT")
+    mirror.set_defaults(run=_cmd_mirror)
 
     inspect = commands.add_parser(
         "inspect", parents=[common, trusted_flag], help="show the chain in a store (verified with --trusted-key)"

@@ -141,6 +141,12 @@ class PolicyLagError(EngineError):
     exit_code = 21
 
 
+class StaleStoreError(StoreError):
+    """A store of a subscriber's list lags: its newest step is older than `max_lag_seconds` and the next store moved."""
+
+    exit_code = 24
+
+
 ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     PulseSyncError,
     ConfigError,
@@ -164,4 +170,5 @@ ALL_ERRORS: tuple[type[PulseSyncError], ...] = (
     ForeignStreamError,
     MissingReferenceError,
     PolicyLagError,
+    StaleStoreError,
 )

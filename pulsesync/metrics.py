@@ -42,6 +42,12 @@ FALLBACKS = Counter("pulsesync_fallbacks_total", "Falls back to the slow path, b
 VERIFICATION_FAILURES = Counter(
     "pulsesync_verification_failures_total", "Signature, SHA-256, digest or patch checks that failed", ["error"]
 )
+STORE_SYNCS = Counter("pulsesync_store_syncs_total", "Syncs whose state came through a store, by store", ["store"])
+STORE_FALLBACKS = Counter(
+    "pulsesync_store_fallbacks_total",
+    "Steps a store of the subscriber's list did not deliver (taken from the next), by store and reason",
+    ["store", "reason"],
+)
 BYTES_DOWNLOADED = Counter("pulsesync_bytes_downloaded_total", "Bytes read from the store")
 SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being served")
 LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")
@@ -63,8 +69,28 @@ RETENTION_DELETED_BYTES = Counter(
 RETENTION_SKIPPED = Counter(
     "pulsesync_retention_skipped_total", "Markers, tombstones and keys retention did not trust and left alone"
 )
+PAYLOAD_WAITS = Counter(
+    "pulsesync_payload_waits_total",
+    "Payloads a verified marker lists that were not there yet and were read again (a replica that keeps no order)",
+)
 MARKERS_REJECTED = Counter(
     "pulsesync_markers_rejected_total", "Ready markers skipped because they do not verify (forged, malformed, replayed)"
+)
+
+# --- mirror --------------------------------------------------------------------------------------
+MIRROR_STEPS = Counter("pulsesync_mirror_steps_total", "Steps the mirror copied (their commit marker written)")
+MIRROR_BYTES = Counter(
+    "pulsesync_mirror_bytes_total",
+    "Bytes the mirror read from the origin (in) and wrote to the target (out)",
+    ["direction"],
+)
+MIRROR_LAG_STEPS = Gauge("pulsesync_mirror_lag_steps", "Steps committed at the origin that the target does not hold")
+MIRROR_LAG_SECONDS = Gauge(
+    "pulsesync_mirror_lag_seconds",
+    "Seconds since the oldest step the target does not hold was published (0: caught up)",
+)
+MIRROR_SKIPPED = Counter(
+    "pulsesync_mirror_skipped_total", "Origin markers the mirror did not copy: they or their objects do not verify"
 )
 
 SCRUBS = Counter(

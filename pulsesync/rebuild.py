@@ -10,6 +10,7 @@ anchor that verifies.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -67,9 +68,15 @@ async def load_anchor(
                 shown.advance(ref.size)
                 continue
             path = Path(spool) / name
-            done = await chain.store.download_file(
-                ref.key, path, progress=shown.transfer, expected_sha256=ref.sha256, expected_size=ref.size
+            download = functools.partial(
+                chain.store.download_file,
+                ref.key,
+                path,
+                progress=shown.transfer,
+                expected_sha256=ref.sha256,
+                expected_size=ref.size,
             )
+            done = await chain.patiently(ref.key, download)
             chain.bytes_downloaded += done.size
             try:
                 shard = await asyncio.to_thread(load_owned, path)

@@ -40,6 +40,7 @@ LAYERS = {
     "rebuild": 6,
     # the daemons and tools
     "publisher": 7,
+    "mirror": 7,
     "subscriber": 7,
     "inspect_chain": 7,
     "chain_report": 8,

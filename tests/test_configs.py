@@ -8,6 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from pulsesync.config import Config, load_config
+from pulsesync.mirror.config import MirrorConfig
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.retention.policy import RetentionConfig
 from pulsesync.subscriber.config import SubscriberConfig
@@ -17,6 +18,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "publisher.yaml": PublisherConfig,
     "subscriber.yaml": SubscriberConfig,
     "retention.yaml": RetentionConfig,
+    "mirror.yaml": MirrorConfig,
 }
 
 
@@ -26,7 +28,7 @@ def test_config_file_validates(path: Path) -> None:
     assert isinstance(config, Config) and config.store.url
 
 
-@pytest.mark.parametrize("name", ["publisher.yaml", "subscriber.yaml", "retention.yaml"])
+@pytest.mark.parametrize("name", ["publisher.yaml", "subscriber.yaml", "retention.yaml", "mirror.yaml"])
 def test_daemon_examples_document_every_option(name: str) -> None:
     text = (Path(__file__).parent.parent / "configs" / name).read_text()
     model = MODELS[name]

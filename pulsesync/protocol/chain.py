@@ -11,10 +11,12 @@ import asyncio
 import datetime as dt
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from pulsesync.digest import StateDigest
 from pulsesync.errors import (
@@ -23,7 +25,7 @@ from pulsesync.errors import (
     NotFoundError,
     ReplayError,
 )
-from pulsesync.metrics import MARKERS_REJECTED
+from pulsesync.metrics import MARKERS_REJECTED, PAYLOAD_WAITS
 from pulsesync.protocol import layout
 from pulsesync.protocol.manifest import (
     MAX_MANIFEST_BYTES,
@@ -38,6 +40,7 @@ from pulsesync.store import ObjectInfo, Store
 
 log = logging.getLogger("pulsesync.chain")
 _VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,6 +63,9 @@ class ChainClient:
     last_rejection: IntegrityError | None = None
     # Read a run's next patch beside its marker (protocol/speculation.py): a follower's fast path.
     speculate: bool = False
+    # A replica that copies objects in any order (S3 replication, rclone, filer.sync) can show a marker
+    # before its payload: a payload not found is read again, with backoff, for this long before it counts.
+    payload_wait_seconds: float = 0.0
     _ahead: Speculation | None = None
     _ready: dict[int, set[layout.Kind]] = field(default_factory=dict)  # the kinds known of each listed step
     _keys: dict[tuple[int, layout.Kind], str] = field(default_factory=dict)  # the marker key of each (step, kind)
@@ -256,6 +262,11 @@ class ChainClient:
             raise IntegrityError(f"{self.store.url}{key}: holds the {manifest.kind} manifest of step {manifest.step}")
         return manifest
 
+    async def read_marker(self, step: int, key: str) -> tuple[bytes, PatchManifest | AnchorManifest]:
+        """A listed marker of a step read and verified (signature, step, stream), with its raw bytes."""
+        manifest = await self._read_verified(step, key)
+        return self._verified[step][0], manifest
+
     async def _find(self, step: int, kind: layout.Kind) -> None:
         """Learn the markers of a step no listing showed, by their names: its commit, and an anchor's own key."""
         names = [layout.commit_key(step), layout.legacy_ready_key(step, kind)]
@@ -357,10 +368,36 @@ class ChainClient:
             self.bytes_downloaded += ahead.read_bytes
             if read_ahead is not None:
                 return read_ahead
-        data = await self.store.get(ref.key, max_size=ref.size)  # a larger object stops at size + 1 bytes
+        # A larger object stops at size + 1 bytes.
+        data = await self.patiently(ref.key, lambda: self.store.get(ref.key, max_size=ref.size))
         self.bytes_downloaded += len(data)
         await asyncio.to_thread(check_object, ref, data, f"{self.store.url}{ref.key}")
         return data
+
+    async def patiently(self, key: str, read: Callable[[], Awaitable[T]]) -> T:
+        """`read()` of a payload a verified marker lists, a NotFoundError tried again for payload_wait_seconds.
+
+        On a replica that keeps no order the payload is "not yet", not gone: waiting for it here
+        keeps a subscriber on its fast path (no slow-path storm when a fleet sees a marker early).
+        """
+        if self.payload_wait_seconds <= 0:
+            return await read()
+
+        def waited(state: object) -> None:
+            PAYLOAD_WAITS.inc()
+            log.info("%s%s: listed by a verified marker, not there yet; reading it again", self.store.url, key)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(self.payload_wait_seconds),
+            wait=wait_exponential(multiplier=0.05, max=2.0),
+            retry=retry_if_exception_type(NotFoundError),
+            before_sleep=waited,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await read()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def fetch_patch(self, manifest: PatchManifest) -> bytes:
         """A patch's bytes: its one object, or a sharded step's parts concatenated (split_parts splits them)."""

@@ -4,17 +4,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pulsesync.config import Config
 from pulsesync.protocol.fleet import SUBSCRIBER_ID
 from pulsesync.sinks import SinkConfig
+from pulsesync.store.config import StoreConfig
 
 
 class SubscriberConfig(Config):
     """`pulsesync subscribe` and the in-process Subscriber."""
 
     trusted_keys: list[Path] = Field(default_factory=list, description="public keys whose manifests are accepted")
+    stores: list[StoreConfig] = Field(
+        default_factory=list,
+        description="the stores to read, in order of preference: a regional mirror first, the origin last; each "
+        "verified end to end, a step one does not deliver is taken from the next (empty: `store` alone)",
+    )
+    max_lag_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="with several stores: a store whose newest step was published longer ago than this, while the "
+        "next store's pointer moved, lags: the step is taken from the next store",
+    )
+    payload_wait_seconds: float = Field(
+        20.0,
+        ge=0,
+        description="a payload a verified marker lists that is not there yet (a replica that copies in any order) is "
+        "read again for this long before the step counts as withheld",
+    )
     cache_dir: Path | None = Field(None, description="the verified state persists here; a restart resumes from it")
     cache_journal_ratio: float = Field(
         2.0,
@@ -81,3 +99,14 @@ class SubscriberConfig(Config):
     )
     sinks: list[SinkConfig] = Field(default_factory=list, description="where verified states go, in order")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics and /healthz on this port")
+
+    @model_validator(mode="after")
+    def _one_store_list(self) -> SubscriberConfig:
+        if self.stores and self.store.url is not None:
+            raise ValueError("give `store` (one store) or `stores` (a list, the origin last), not both")
+        return self
+
+    @property
+    def store_list(self) -> list[StoreConfig]:
+        """The stores to read, in order: `stores`, or `store` alone."""
+        return list(self.stores) or [self.store]

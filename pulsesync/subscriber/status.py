@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pulsesync.subscriber.paths import SyncPath
 
@@ -21,4 +22,5 @@ class SubscriberStatus:
     rejected_markers: int = 0  # ready markers skipped because they do not verify
     last_rejected: str | None = None
     sync_running_seconds: float | None = None
+    stores: dict[str, dict[str, Any]] = field(default_factory=dict)  # per store: syncs, fallbacks by reason
     diverged: str | None = None  # a scrub found the held state differs from its digest (rebuilt at the next sync)

@@ -39,6 +39,7 @@ from pulsesync.errors import (
     NothingPublishedError,
     PulseSyncError,
     ReplayError,
+    StaleStoreError,
     StoreError,
 )
 from pulsesync.protocol import signing
@@ -54,6 +55,7 @@ from pulsesync.subscriber.paths import Staged, SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
 from pulsesync.subscriber.scrub import scrub
 from pulsesync.subscriber.status import SubscriberStatus
+from pulsesync.subscriber.stores import StoreSource, next_store_moved
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -66,6 +68,8 @@ _NOT_A_VERIFICATION_FAILURE = (
     DeadlineError,
     MissingReferenceError,  # a history-coded patch after a restart: the slow path rebuilds the history
 )
+# Failures no other store would change: raised at once, not taken to the next store.
+_NOT_THE_STORES_FAULT = (EngineError, ConfigError, LocalWriteError, DeadlineError)
 
 
 _KERNEL_WARM_UPS = (batch.warm_up, mixsum.warm_up)  # the decode kernels and the digest's
@@ -79,6 +83,7 @@ class Subscriber:
         config: SubscriberConfig,
         *,
         store: Store | None = None,
+        stores: list[Store] | None = None,
         trusted: Mapping[str, Ed25519PublicKey] | None = None,
         sinks: list[Sink] | None = None,
     ) -> None:
@@ -86,12 +91,32 @@ class Subscriber:
         if not trusted:
             raise ConfigError("trusted_keys: a subscriber needs at least one trusted public key (--trusted-key)")
         self.config = config
-        self.store = store or open_store(config.store)
-        self.chain = ChainClient(
-            self.store, trusted, threads=config.codec.threads, stream_id=config.stream_id, speculate=True
-        )
         advisory = config.advisory_deadline_seconds
-        self.poll = PointerPoll(self.store, config.list_every_seconds, advisory) if config.poll_pointer else None
+        if stores is None:
+            stores = [store] if store is not None else [open_store(c) for c in config.store_list]
+        several = len(stores) > 1
+        # With several stores the first is listed at least every max_lag_seconds: a lagging one is noticed.
+        list_every = min(config.list_every_seconds, config.max_lag_seconds) if several else config.list_every_seconds
+        self.sources = [
+            StoreSource(
+                each,
+                ChainClient(
+                    each,
+                    trusted,
+                    threads=config.codec.threads,
+                    stream_id=config.stream_id,
+                    speculate=True,
+                    payload_wait_seconds=config.payload_wait_seconds,
+                ),
+                PointerPoll(each, list_every if i == 0 else config.list_every_seconds, advisory)
+                if config.poll_pointer
+                else None,
+            )
+            for i, each in enumerate(stores)
+        ]
+        self.store = stores[0]  # the first store: fleet status goes here
+        self.chain = self.sources[0].chain  # the chain of the store the last sync read
+        self.poll = self.sources[0].poll
         fleet_id = config.subscriber_id or default_subscriber_id(config.cache_dir)
         fleet_every = config.fleet_status_seconds
         self.fleet = FleetReporter(self.store, fleet_id, fleet_every, advisory) if config.fleet_status else None
@@ -181,8 +206,9 @@ class Subscriber:
         await self._activate(staged, persist=False)
 
     def _learn_stream(self, stream_id: str) -> None:
-        """Pin the stream of the first verified state: later manifests must be of the same stream."""
-        self.chain.pin_stream(stream_id)
+        """Pin the stream of the first verified state: later manifests must be of the same stream, from any store."""
+        for source in self.sources:
+            source.chain.pin_stream(stream_id)
         self.status.stream_id = self.chain.stream_id
 
     async def wait_saved(self) -> None:
@@ -193,10 +219,12 @@ class Subscriber:
     async def close(self) -> None:
         """Finish writing the state cache; release the store."""
         await self.wait_saved()
-        await self.chain.drop_read_ahead()
+        for source in self.sources:
+            await source.chain.drop_read_ahead()
         if self._warm_up is not None:
             await asyncio.wait([self._warm_up])
-        await self.store.close()
+        for source in self.sources:
+            await source.store.close()
 
     async def __aenter__(self) -> Subscriber:
         await self.start()
@@ -223,53 +251,102 @@ class Subscriber:
             self._sync_started = None
 
     async def _sync(self, target: int | None) -> SyncResult:
-        t0, downloaded = time.perf_counter(), self.chain.bytes_downloaded
+        """Sync from the first store of the list that delivers (`stores.py`); the last store's failure is raised."""
+        t0, before = time.perf_counter(), self._bytes_downloaded()
         await self.wait_saved()
-        newest = await self.chain.newest_verified()
-        self.status.rejected_markers = len(self.chain.rejected)
-        self.status.last_rejected = next(reversed(self.chain.rejected.values()), None)
+        for source, after in zip(self.sources, [*self.sources[1:], None], strict=True):
+            downloaded = source.chain.bytes_downloaded
+            self.chain = source.chain
+            try:
+                result = await self._sync_from(source, after, target, t0)
+            except PulseSyncError as e:
+                if after is None or isinstance(e, _NOT_THE_STORES_FAULT):
+                    raise
+                source.fell_back(target, e)
+                continue
+            finally:
+                metrics.BYTES_DOWNLOADED.inc(source.chain.bytes_downloaded - downloaded)
+            if result.path != SyncPath.UP_TO_DATE:
+                source.delivered()
+            result.bytes_downloaded = self._bytes_downloaded() - before
+            self.status.stores = {s.url: {"syncs": s.syncs, "fallbacks": dict(s.fallbacks)} for s in self.sources}
+            return result
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _sync_from(
+        self, source: StoreSource, after: StoreSource | None, target: int | None, t0: float
+    ) -> SyncResult:
+        """One sync through one store; `after` is the next store of the list (None: this is the last)."""
+        chain = source.chain
+        newest = await chain.newest_verified()
+        self.status.rejected_markers = len(chain.rejected)
+        self.status.last_rejected = next(reversed(chain.rejected.values()), None)
         if newest is None:
-            if self.chain.last_rejection is not None:  # say why: e.g. every marker is signed by an unknown key
-                raise self.chain.last_rejection
-            raise NothingPublishedError(f"{self.store.url}: no step published yet")
-        ready = self.chain.listed  # newest_verified() just listed: one LIST per sync
+            if chain.last_rejection is not None:  # say why: e.g. every marker is signed by an unknown key
+                raise chain.last_rejection
+            raise NothingPublishedError(f"{source.url}: no step published yet")
+        ready = chain.listed  # newest_verified() just listed: one LIST per sync
+        if source.poll is not None:
+            source.poll.listed()
+        following = target is None and self.config.step is None
+        if after is not None and following:
+            age = source.age_of(newest)
+            if age is not None and age > self.config.max_lag_seconds and await next_store_moved(after):
+                raise StaleStoreError(
+                    f"{source.url}: its newest step {newest} was published {age:.0f} s ago "
+                    f"(max_lag_seconds {self.config.max_lag_seconds:g}) and {after.url} moved since"
+                )
+            if newest < self.step:  # a store behind the held step, within the bound: nothing newer here
+                return SyncResult(self.step, SyncPath.UP_TO_DATE, self._served_root(), time.perf_counter() - t0, 0)
         target = target if target is not None else self.config.step if self.config.step is not None else newest
         if target not in ready:
-            raise NotFoundError(f"{self.store.url}: step {target} is not ready (newest is {newest})")
+            raise NotFoundError(f"{source.url}: step {target} is not ready (newest is {newest})")
         if target < self.step:
             raise ReplayError(f"step {target} is older than the held step {self.step}; subscribers never go back")
         staged: Staged | None = None
         if self._undelivered is not None and self._undelivered.step == target:
             staged = self._undelivered
         elif self.held.diverged is not None:  # the held state is not what its digest says: rebuild it
-            staged = await paths.slow(self.chain, target)
+            staged = await paths.slow(chain, target)
         elif target != self.step:
             if self.serving:
                 try:
-                    staged = await paths.incremental(self.chain, self.held, target)
-                except PulseSyncError as e:
+                    staged = await paths.incremental(chain, self.held, target)
+                except MissingReferenceError as e:  # no store has the history: rebuild it here
                     self._fallback(target, e)
+                except PulseSyncError as e:
+                    if after is not None:  # another store may hold the chain intact: no slow path from here
+                        raise
+                    self._fallback(target, e)
+                if staged is None and after is not None:
+                    raise NotFoundError(f"{source.url}: the chain from step {self.step} to step {target} has a gap")
             if staged is None:
-                staged = await paths.slow(self.chain, target)
+                staged = await paths.slow(chain, target)
         if staged is not None:
             await self._activate(staged)
         path = staged.path if staged is not None else SyncPath.UP_TO_DATE
         seconds = time.perf_counter() - t0
-        got = self.chain.bytes_downloaded - downloaded
-        metrics.BYTES_DOWNLOADED.inc(got)
         metrics.LAG_STEPS.set(newest - self.step)
-        if staged is not None and (published := self.chain.published_at.get(self.step)):
-            age = dt.datetime.now(dt.timezone.utc) - published
-            metrics.LAG_SECONDS.set(max(age.total_seconds(), 0.0))
+        if staged is not None and (published := chain.published_at.get(self.step)):
+            age = (dt.datetime.now(dt.timezone.utc) - published).total_seconds()
+            metrics.LAG_SECONDS.set(max(age, 0.0))
         if staged is not None:
             metrics.SYNC_SECONDS.labels(path).observe(seconds)
             self.status.paths[path] = self.status.paths.get(path, 0) + 1
         served = self.held.served
         assert served is not None
         if self.cache is not None and self.cache.unsaved:  # also retries a save that failed before
-            found = self.chain.verified_marker(served.step)
+            found = chain.verified_marker(served.step)
             await self.cache.save(served, found[0] if found else None)
-        return SyncResult(served.step, path, served.digest.root, seconds, got)
+        return SyncResult(served.step, path, served.digest.root, seconds, 0)
+
+    def _bytes_downloaded(self) -> int:
+        return sum(source.chain.bytes_downloaded for source in self.sources)
+
+    def _served_root(self) -> str:
+        served = self.held.served
+        assert served is not None
+        return served.digest.root
 
     def _fallback(self, target: int, error: PulseSyncError) -> None:
         reason = type(error).__name__

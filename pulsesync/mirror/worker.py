@@ -1,0 +1,192 @@
+"""The mirror: copies each committed step of one store (the origin, or another mirror) to another, in commit order.
+
+Nothing the origin serves is trusted: each marker is verified (signature, step) and each object
+it lists is checked against its signed size and SHA-256 before a byte of it is written to the
+target, so a mirror never holds what a subscriber would refuse. A step is copied payloads
+first, its marker last with put-if-absent, then the pointer: a crash at any point leaves the
+target without that step's marker, and the next run copies the step again (copies are
+idempotent: the same bytes under the same keys). The target's own retention, when configured,
+runs after the copies; the mirror never copies a step older than the newest the target holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulsesync import metrics
+from pulsesync.errors import ConfigError, ConflictError, IntegrityError, NotFoundError, PulseSyncError
+from pulsesync.mirror.config import MirrorConfig
+from pulsesync.mirror.plan import first_step, marker_step, to_copy
+from pulsesync.protocol import layout
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, ObjectRef
+from pulsesync.retention.worker import RetentionWorker
+from pulsesync.store import Store
+
+log = logging.getLogger("pulsesync.mirror")
+_IN_MEMORY_BYTES = 8 << 20  # objects up to this are copied through memory; larger ones through a file (multipart)
+
+
+@dataclass
+class MirrorRun:
+    """What one pass copied."""
+
+    steps: list[int] = field(default_factory=list)  # steps whose commit was copied
+    markers: int = 0  # markers copied (commits and added anchors)
+    bytes_copied: int = 0  # payload and marker bytes written to the target
+    skipped: list[str] = field(default_factory=list)  # origin markers not copied, and why
+
+    def summary(self) -> str:
+        """One line for the log and `--once`."""
+        steps = f"steps {self.steps[0]}..{self.steps[-1]}" if self.steps else "no new step"
+        skipped = f", {len(self.skipped)} skipped" if self.skipped else ""
+        return f"copied {steps} ({self.markers} markers, {self.bytes_copied} bytes){skipped}"
+
+
+class Mirror:
+    """Follows an origin's chain and copies it to a target; `run_once()` is one pass, `run()` the daemon."""
+
+    def __init__(
+        self, origin: Store, target: Store, config: MirrorConfig, trusted: Mapping[str, Ed25519PublicKey]
+    ) -> None:
+        if not trusted:
+            raise ConfigError("trusted_keys: a mirror verifies every marker and needs the publisher's public key")
+        self.origin = ChainClient(origin, trusted, payload_wait_seconds=config.payload_wait_seconds)
+        self.target = target
+        self.config = config
+        self.retention = RetentionWorker(target, config.retention, trusted) if config.retention else None
+        self.skipped: dict[str, str] = {}  # origin marker key -> why it is not copied (not tried again)
+        self._retained_at: float | None = None
+
+    async def _target_markers(self) -> dict[str, int]:
+        """The target's ready markers (key -> step): what it holds, whatever wrote it."""
+        held = {}
+        for prefix in (layout.READY_PREFIX, layout.ANCHOR_READY_PREFIX):
+            async for info in self.target.list(prefix):
+                if (step := marker_step(info.key)) is not None:
+                    held[info.key] = step
+        return held
+
+    async def _origin_markers(self) -> dict[str, int]:
+        await self.origin.refresh(anchors=True)
+        return {key: step for key in self.origin.ready_keys if (step := marker_step(key)) is not None}
+
+    async def _newest_anchor(self, origin: Mapping[str, int]) -> int | None:
+        """The origin's newest step with an anchor that verifies: where an empty target starts."""
+        added = {step for key, step in origin.items() if key.startswith(layout.ANCHOR_READY_PREFIX)}
+        for step in sorted({s for k, s in origin.items() if k.startswith(layout.READY_PREFIX)}, reverse=True):
+            if step in added:
+                return step
+            try:
+                if (await self.origin.commit_manifest(step)).kind == "anchor":
+                    return step
+            except (NotFoundError, IntegrityError) as e:
+                log.debug("step %d: %s", step, e)
+        return max(added, default=None)
+
+    async def run_once(self) -> MirrorRun:
+        """List both stores, copy what the target lacks in commit order, then prune the target if configured."""
+        done = MirrorRun()
+        origin, held = await self._origin_markers(), await self._target_markers()
+        newest_origin = max(origin.values(), default=None)
+        newest_held = max((s for k, s in held.items() if k.startswith(layout.READY_PREFIX)), default=None)
+        if newest_origin is not None:
+            anchor = None if newest_held is not None else await self._newest_anchor(origin)
+            start = first_step(newest_held, [] if anchor is None else [anchor], newest_origin)
+            for key in to_copy(origin, held, start):
+                if key in self.skipped:
+                    continue
+                try:
+                    await self._copy_marker(key, origin[key], done)
+                except (IntegrityError, ConflictError) as e:  # never copied: a subscriber would refuse it
+                    self.skipped[key] = f"{type(e).__name__}: {e}"
+                    done.skipped.append(key)
+                    metrics.MIRROR_SKIPPED.inc()
+                    log.warning("mirror: not copying %s%s: %s", self.origin.store.url, key, self.skipped[key])
+                except NotFoundError as e:  # removed from the origin by its retention since the listing
+                    log.info("mirror: %s", e)
+        await self._report_lag(origin, await self._target_markers() if done.markers else held)
+        await self._retain()
+        if done.markers:
+            log.info("mirror %s -> %s: %s", self.origin.store.url, self.target.url, done.summary())
+        return done
+
+    async def _copy_marker(self, key: str, step: int, done: MirrorRun) -> None:
+        """Copy one marker's objects (each verified), then the marker itself, put-if-absent; then the pointer."""
+        data, manifest = await self.origin.read_marker(step, key)
+        for ref in manifest.objects:
+            done.bytes_copied += await self._copy_object(ref)
+        try:
+            await self.target.put_if_absent(key, data)
+        except ConflictError:
+            there = await self.target.get(key, max_size=MAX_MANIFEST_BYTES)
+            if there != data:
+                raise ConflictError(f"{self.target.url}{key}: the target holds another marker under this key") from None
+        done.bytes_copied += len(data)
+        done.markers += 1
+        metrics.MIRROR_BYTES.labels("out").inc(len(data))
+        if key.startswith(layout.READY_PREFIX):
+            done.steps.append(step)
+            metrics.MIRROR_STEPS.inc()
+            # A hint for subscribers polling the target (subscriber/poll.py); the marker decides as always.
+            await self.target.put(layout.POINTER_KEY, layout.pointer_body(step))
+
+    async def _copy_object(self, ref: ObjectRef) -> int:
+        """One object a verified manifest lists, checked against its size and SHA-256, then written to the target."""
+        if ref.size <= _IN_MEMORY_BYTES:
+            data = await self.origin.fetch(ref)
+            metrics.MIRROR_BYTES.labels("in").inc(len(data))
+            await self.target.put(ref.key, data)
+        else:
+            with tempfile.TemporaryDirectory(prefix="pulsesync-mirror-") as spool:
+                path = Path(spool) / "object"
+                store = self.origin.store
+                await self.origin.patiently(
+                    ref.key,
+                    lambda: store.download_file(ref.key, path, expected_sha256=ref.sha256, expected_size=ref.size),
+                )
+                metrics.MIRROR_BYTES.labels("in").inc(ref.size)
+                await self.target.upload_file(ref.key, path)
+        metrics.MIRROR_BYTES.labels("out").inc(ref.size)
+        return ref.size
+
+    async def _report_lag(self, origin: Mapping[str, int], held: Mapping[str, int]) -> None:
+        """Steps the target lacks, and seconds since the first of them was published (0 when caught up)."""
+        commits = {s for k, s in origin.items() if k.startswith(layout.READY_PREFIX)}
+        newest_held = max((s for k, s in held.items() if k.startswith(layout.READY_PREFIX)), default=-1)
+        missing = sorted(s for s in commits if s > newest_held)
+        metrics.MIRROR_LAG_STEPS.set(len(missing))
+        age = 0.0
+        if missing:
+            with contextlib.suppress(PulseSyncError):
+                published = (await self.origin.commit_manifest(missing[0])).created
+                age = (dt.datetime.now(dt.timezone.utc) - published).total_seconds()
+        metrics.MIRROR_LAG_SECONDS.set(max(age, 0.0))
+
+    async def _retain(self) -> None:
+        if self.retention is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if self._retained_at is not None and now - self._retained_at < self.retention.policy.interval_seconds:
+            return
+        self._retained_at = now
+        await self.retention.run_once()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Copy every interval_seconds until stop is set; a failed pass is logged and tried again."""
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except PulseSyncError as e:
+                log.error("mirror pass failed: %s: %s", type(e).__name__, e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.interval_seconds)
