@@ -302,6 +302,32 @@ def engines(doc: dict[str, Any], out: Path) -> list[Path]:
     return [_save(fig, out / "engines.png")]
 
 
+def fanout(doc: dict[str, Any], out: Path) -> list[Path]:
+    """The origin's egress per patch byte, with two mirrors and without; fallbacks per region."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs = doc["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    labels = [f"{doc['mirrors']} mirrors", "no mirror"]
+    left.bar(
+        labels, [runs["mirrored"]["egress_over_patch"], runs["no_mirror"]["egress_over_patch"]], color=["C0", "C1"]
+    )
+    left.axhline(doc["mirrors"] + 0.5, color="k", linestyle=":", label="contract")
+    left.set_ylabel("origin egress / patch bytes")
+    left.legend(fontsize=8)
+    fallbacks = runs["mirrored"]["fallbacks"]
+    right.bar([f"region {r}" for r in fallbacks], list(fallbacks.values()), color="C2")
+    right.set_ylabel("syncs a mirror failed (from the origin)")
+    right.set_title("a: the lying mirror; b: the lagging one", fontsize=9)
+    for ax in (left, right):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"bench/fanout.py: {doc['subscribers']} subscribers, {doc['steps']} steps, "
+        f"{doc['unverified_served']} unverified states served",
+        fontsize=10,
+    )
+    return [_save(fig, out / "fanout.png")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--codec", type=Path, metavar="JSON", help="bench/codec.py --json output")
@@ -311,6 +337,7 @@ def main() -> None:
     parser.add_argument("--subscriber", type=Path, metavar="JSON", help="bench/subscriber.py --json output")
     parser.add_argument("--sharded", type=Path, metavar="JSON", help="bench/sharded.py --json output")
     parser.add_argument("--engines", type=Path, metavar="JSON", help="bench/engines.py --json output")
+    parser.add_argument("--fanout", type=Path, metavar="JSON", help="bench/fanout.py --json output")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
     args = parser.parse_args()
     plotters = {
@@ -321,6 +348,7 @@ def main() -> None:
         "subscriber": subscriber,
         "sharded": sharded,
         "engines": engines,
+        "fanout": fanout,
     }
     written = []
     for name, plot in plotters.items():

@@ -18,13 +18,16 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("keygen", "demo", "publish", "subscribe", "retain", "inspect", "verify", "store"):
+    for command in ("keygen", "demo", "publish", "subscribe", "mirror", "retain", "inspect", "verify", "store"):
         assert command in out
 
 
 @pytest.mark.parametrize(
     "command",
-    ["keygen", "demo", "publish", "subscribe", "retain", "inspect", "verify", "store ls", "store put", "store get"],
+    [
+        *("keygen", "demo", "publish", "subscribe", "mirror", "retain", "inspect", "verify"),
+        *("store ls", "store put", "store get"),
+    ],
 )
 def test_every_command_takes_the_common_flags(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
@@ -38,6 +41,16 @@ def test_exit_codes_are_distinct() -> None:
     codes = [e.exit_code for e in ALL_ERRORS]
     assert len(set(codes)) == len(codes)
     assert 0 not in codes and 2 not in codes  # 0 is success, 2 is argparse's usage error
+
+
+def test_a_mirror_without_a_target_or_a_key_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    origin = f"file://{tmp_path / 'origin'}"
+    assert main(["mirror", "--store", origin]) == 3
+    assert "target.url" in capsys.readouterr().err
+    assert main(["mirror", "--store", origin, "--to", f"file://{tmp_path / 'copy'}"]) == 3
+    assert "trusted_keys" in capsys.readouterr().err
 
 
 def test_keygen_then_conflict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -232,6 +245,8 @@ def test_a_config_typo_names_the_key_meant_and_every_error(tmp_path: Path, capsy
         ["publish", "--help"],
         ["subscribe", "--bogus-flag"],
         *([command, "--store", "gs://bucket/run"] for command in ("demo", "inspect", "retain", "subscribe", "verify")),
+        ["mirror", "--store", "file:///tmp/origin", "--to", "gs://bucket/run"],
+        ["mirror", "--store", "file:///tmp/origin"],
         ["publish", "--store", "http://127.0.0.1:9000/bucket", "--synthetic"],
         ["store", "ls", "--store", "gs://bucket/run"],
         ["publish", "--config", "/nonexistent/publisher.yaml", "--synthetic"],

@@ -61,7 +61,7 @@ def test_deploy_examples_parse_and_point_at_configs_that_exist() -> None:
 
     manifests = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
     units = sorted((DEPLOY / "systemd").iterdir())
-    assert len(manifests) == 3 and len(units) == 4
+    assert len(manifests) == 4 and len(units) == 4
     referenced = set()
     for path in [*manifests, *units]:
         text = path.read_text()
@@ -71,5 +71,19 @@ def test_deploy_examples_parse_and_point_at_configs_that_exist() -> None:
         referenced |= set(re.findall(r"/etc/pulsesync/([a-z-]+\.yaml)", text))
     compose = (Path(__file__).parent.parent / "docker-compose.yml").read_text()
     referenced |= set(re.findall(r"/etc/pulsesync/([a-z-]+\.yaml)", compose))
-    assert referenced == {"subscriber.yaml", "publisher.yaml", "retention.yaml", "minio-local.yaml"}
+    assert referenced == {"subscriber.yaml", "publisher.yaml", "retention.yaml", "mirror.yaml", "minio-local.yaml"}
     assert referenced <= {p.name for p in CONFIGS}
+
+
+def test_the_kubernetes_mirror_runs_a_command_the_cli_takes() -> None:
+    import yaml
+
+    from pulsesync.cli import build_parser
+
+    deployment = yaml.safe_load((Path(__file__).parent.parent / "deploy/kubernetes/mirror.yaml").read_text())
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == "mirror" and parsed.to and parsed.config == Path("/etc/pulsesync/mirror.yaml")
+    assert isinstance(
+        load_config(MirrorConfig, Path(__file__).parent.parent / "configs" / parsed.config.name), MirrorConfig
+    )

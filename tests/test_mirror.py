@@ -173,7 +173,10 @@ async def test_a_lagging_mirror_is_passed_over_until_it_catches_up(
     await publish(origin, range(9, 10))  # the mirror does not copy it
     result = await sub.sync()  # within the bound: the mirror's newest is what is served
     assert result.path == SyncPath.UP_TO_DATE and sub.step == 8
-    await asyncio.sleep(2.5)
+    await asyncio.sleep(2.5)  # the mirror's newest is older than the bound: the origin's pointer is read, it moved
+    result = await sub.sync()
+    assert result.path == SyncPath.UP_TO_DATE and sub.step == 8
+    await asyncio.sleep(2.2)  # and the mirror has not caught up within the bound since
     result = await sub.sync()
     assert (result.step, result.path) == (9, SyncPath.FAST)
     assert sub.sources[0].fallbacks == {StaleStoreError.__name__: 1}
@@ -182,6 +185,19 @@ async def test_a_lagging_mirror_is_passed_over_until_it_catches_up(
     await mirror(origin.store, target, key).run_once()
     result = await sub.sync()
     assert (result.step, result.path) == (10, SyncPath.FAST) and [s.syncs for s in sub.sources] == [2, 1]
+
+
+async def test_a_quiet_publisher_makes_no_store_stale(
+    origin: AsyncPublisher, tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    target = FileStore(tmp_path / "mirror")
+    await mirror(origin.store, target, key).run_once()
+    sub = subscriber([target, origin.store], key, max_lag_seconds=1.0)
+    await sub.sync()
+    for _ in range(3):  # the mirror's newest step ages past the bound; the origin's pointer names no newer one
+        await asyncio.sleep(1.2)
+        assert (await sub.sync()).path == SyncPath.UP_TO_DATE
+    assert sub.sources[0].fallbacks == {} and sub.sources[0].syncs == 1
 
 
 async def test_a_marker_seen_before_its_payload_is_waited_for_not_a_slow_path(

@@ -67,6 +67,11 @@ class Store(ABC):
 
     url: str
 
+    @property
+    def location(self) -> str:
+        """Where the store is, for logs and metric labels: its URL (and, where it has one, its endpoint)."""
+        return self.url
+
     # --- lifecycle -----------------------------------------------------------------------------
     async def close(self) -> None:  # noqa: B027 - optional hook; most backends hold nothing
         """Release connections; the store is unusable afterwards."""

@@ -67,6 +67,11 @@ class S3Store(Store):
         self._client: Any = None
         self._client_lock = asyncio.Lock()
 
+    @property
+    def location(self) -> str:
+        """The URL, and the endpoint where one is set: two regions' buckets may share a name."""
+        return f"{self.url} at {self.endpoint_url}" if self.endpoint_url else self.url
+
     async def _s3(self) -> Any:
         if self._client is None:
             async with self._client_lock:

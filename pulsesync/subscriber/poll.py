@@ -33,11 +33,29 @@ class PointerPoll:
         self.list_every_seconds = list_every_seconds
         self.deadline = deadline
         self.etag: str | None = None  # of the pointer last read; None: not read yet (or gone)
+        self.names: int | None = None  # the step the pointer last read names; None: unknown
         self._listed_at: float | None = None
 
     def listed(self) -> None:
         """Record that the ready markers were just listed."""
         self._listed_at = time.monotonic()
+
+    async def names_newer(self, step: int) -> bool:
+        """Whether the pointer names a step newer than `step`: True where it cannot be read or parsed (ask the store).
+
+        A hint like every pointer read: it decides only whether the store is asked, never what is served.
+        """
+        try:
+            got = await within(
+                self.deadline, self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
+            )
+        except (PulseSyncError, asyncio.TimeoutError):
+            self.etag = self.names = None
+            return True
+        if got is not None:
+            entry = layout.parse_ready_key(got[0].decode("utf-8", "replace"))
+            self.etag, self.names = got[1], entry.step if entry is not None else None
+        return self.names is None or self.names > step
 
     async def worth_listing(self) -> bool:
         """False only while the pointer answers "not modified" and a LIST happened recently."""

@@ -4,12 +4,17 @@ Every manifest and object is verified whichever store it came from, so a mirror 
 trusted: all it can do is lag, withhold or lie, and each sends the step to the next store in
 the list, counted against the store that failed:
 
-- it lags: its newest step was published more than `max_lag_seconds` ago and the next store's
-  pointer moved since (a publisher gone quiet makes no store stale: the next store's pointer,
-  a conditional GET, says nothing changed);
+- it lags: the next store's pointer named a newer step more than `max_lag_seconds` ago and
+  this store has nothing newer since. The next store's pointer (a conditional GET) is read only while this
+  store's newest step is older than `max_lag_seconds`: while a run publishes and the mirror
+  keeps up, the origin hears nothing from the subscriber, and a publisher gone quiet makes no
+  store stale (its pointer does not move);
 - it withholds: the step, a link of its chain or a payload is missing (a payload after
   `payload_wait_seconds`: a replica that copies in any order shows markers early);
 - it lies: anything it serves fails verification.
+
+A step a store withheld or lied about is taken from the next store at that step, not the next
+store's newest: the sync after goes back to the first store for what follows.
 
 The next sync starts from the first store again, so a subscriber returns to its mirror as soon as
 the mirror catches up. Only the last store (the origin) takes the slow path after a failed
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from dataclasses import dataclass, field
 
 from pulsesync import metrics
@@ -41,11 +47,14 @@ class StoreSource:
     poll: PointerPoll | None
     syncs: int = 0  # syncs whose state came through this store
     fallbacks: dict[str, int] = field(default_factory=dict)  # steps it sent to the next store, by reason
+    offered: int | None = None  # the newest step it listed in the sync under way
+    behind_since: float | None = None  # monotonic time the next store was seen to move past this one
+    behind_at: int | None = None  # this store's newest step then
 
     @property
     def url(self) -> str:
-        """The store's URL, as metrics and /healthz name it."""
-        return self.store.url
+        """The store's location (URL, and endpoint), as logs, metrics and /healthz name it."""
+        return self.store.location
 
     def age_of(self, step: int) -> float | None:
         """Seconds since a verified step was published; None if its manifest was not read."""
@@ -58,14 +67,26 @@ class StoreSource:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         metrics.STORE_FALLBACKS.labels(self.url, reason).inc()
         what = f"step {step}" if step is not None else "the newest step"
-        log.warning("%s from the next store: %s did not deliver it (%s: %s)", what, self.url, reason, error)
+        log.warning("%s did not deliver %s (%s: %s); reading the next store", self.url, what, reason, error)
 
     def delivered(self) -> None:
         """Count a sync whose state came through this store."""
         self.syncs += 1
         metrics.STORE_SYNCS.labels(self.url).inc()
 
+    async def lags(self, newest: int, after: StoreSource, max_lag: float) -> float | None:
+        """Seconds this store has been behind the next one, when more than `max_lag`; else None."""
+        if self.behind_at is not None and newest > self.behind_at:
+            self.behind_since = self.behind_at = None  # it moved on since
+        age = self.age_of(newest)
+        if age is None or age <= max_lag:
+            self.behind_since = self.behind_at = None
+            return None
+        if self.behind_since is None and (after.poll is None or await after.poll.names_newer(newest)):
+            self.behind_since, self.behind_at = time.monotonic(), newest
+        behind = None if self.behind_since is None else time.monotonic() - self.behind_since
+        return behind if behind is not None and behind > max_lag else None
 
-async def next_store_moved(source: StoreSource) -> bool:
-    """Whether the next store may hold something newer: its pointer changed, or it cannot tell (no pointer)."""
-    return source.poll is None or await source.poll.worth_listing()
+    def caught_up(self) -> None:
+        """The next store had nothing newer than this one: it is not behind."""
+        self.behind_since = self.behind_at = None

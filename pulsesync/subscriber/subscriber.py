@@ -55,7 +55,7 @@ from pulsesync.subscriber.paths import Staged, SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
 from pulsesync.subscriber.scrub import scrub
 from pulsesync.subscriber.status import SubscriberStatus
-from pulsesync.subscriber.stores import StoreSource, next_store_moved
+from pulsesync.subscriber.stores import StoreSource
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -254,20 +254,27 @@ class Subscriber:
         """Sync from the first store of the list that delivers (`stores.py`); the last store's failure is raised."""
         t0, before = time.perf_counter(), self._bytes_downloaded()
         await self.wait_saved()
+        lagging: StoreSource | None = None
         for source, after in zip(self.sources, [*self.sources[1:], None], strict=True):
             downloaded = source.chain.bytes_downloaded
             self.chain = source.chain
+            source.offered = None
             try:
                 result = await self._sync_from(source, after, target, t0)
             except PulseSyncError as e:
                 if after is None or isinstance(e, _NOT_THE_STORES_FAULT):
                     raise
                 source.fell_back(target, e)
+                lagging = source if isinstance(e, StaleStoreError) else None
+                if lagging is None and target is None and self.config.step is None:  # the step it offered: no more
+                    target = source.offered
                 continue
             finally:
                 metrics.BYTES_DOWNLOADED.inc(source.chain.bytes_downloaded - downloaded)
             if result.path != SyncPath.UP_TO_DATE:
                 source.delivered()
+            if lagging is not None and lagging.behind_at is not None and result.step <= lagging.behind_at:
+                lagging.caught_up()  # the next store had nothing newer: the pointer moved for nothing
             result.bytes_downloaded = self._bytes_downloaded() - before
             self.status.stores = {s.url: {"syncs": s.syncs, "fallbacks": dict(s.fallbacks)} for s in self.sources}
             return result
@@ -286,15 +293,16 @@ class Subscriber:
                 raise chain.last_rejection
             raise NothingPublishedError(f"{source.url}: no step published yet")
         ready = chain.listed  # newest_verified() just listed: one LIST per sync
+        source.offered = newest
         if source.poll is not None:
             source.poll.listed()
         following = target is None and self.config.step is None
         if after is not None and following:
-            age = source.age_of(newest)
-            if age is not None and age > self.config.max_lag_seconds and await next_store_moved(after):
+            behind = await source.lags(newest, after, self.config.max_lag_seconds)
+            if behind is not None:
                 raise StaleStoreError(
-                    f"{source.url}: its newest step {newest} was published {age:.0f} s ago "
-                    f"(max_lag_seconds {self.config.max_lag_seconds:g}) and {after.url} moved since"
+                    f"{source.url}: still at step {newest} {behind:.0f} s after {after.url} moved on "
+                    f"(max_lag_seconds {self.config.max_lag_seconds:g})"
                 )
             if newest < self.step:  # a store behind the held step, within the bound: nothing newer here
                 return SyncResult(self.step, SyncPath.UP_TO_DATE, self._served_root(), time.perf_counter() - t0, 0)

@@ -41,6 +41,7 @@ class FaultProxy:
     trickle_seconds: float | None = None  # while set, GET bodies arrive one byte per this many seconds
     oversize: dict[str, int] = field(default_factory=dict)  # path suffix -> bytes of junk served in its place
     bytes_sent: int = 0  # body bytes delivered to the client
+    sent: dict[str, int] = field(default_factory=dict)  # body bytes delivered, by request path (listings: by prefix)
     endpoint: str = ""
     _first_asked: dict[str, float] = field(default_factory=dict)
 
@@ -119,6 +120,8 @@ class FaultProxy:
             out_headers["Content-Length"] = upstream.headers.get("Content-Length", "0")
             return web.Response(status=status, headers=out_headers)
         self.bytes_sent += len(data)
+        where = request.path + (f"?prefix={request.query['prefix']}" if "list-type" in request.query else "")
+        self.sent[where] = self.sent.get(where, 0) + len(data)
         return web.Response(status=status, headers=out_headers, body=data)
 
     @staticmethod
