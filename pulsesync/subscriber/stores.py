@@ -27,15 +27,19 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pulsesync import metrics
-from pulsesync.errors import PulseSyncError
+from pulsesync.errors import ConfigError, DeadlineError, EngineError, LocalWriteError, PulseSyncError, StaleStoreError
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.store import Store
+from pulsesync.subscriber.paths import SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
 
 log = logging.getLogger("pulsesync.subscriber")
+# Failures no other store would change: raised at once, not taken to the next store.
+_NOT_THE_STORES_FAULT = (EngineError, ConfigError, LocalWriteError, DeadlineError)
 
 
 @dataclass
@@ -90,3 +94,35 @@ class StoreSource:
     def caught_up(self) -> None:
         """The next store had nothing newer than this one: it is not behind."""
         self.behind_since = self.behind_at = None
+
+
+Attempt = Callable[[StoreSource, "StoreSource | None", "int | None"], Awaitable[SyncResult]]
+
+
+async def through_stores(sources: list[StoreSource], target: int | None, pinned: bool, attempt: Attempt) -> SyncResult:
+    """`attempt(store, next store, target)` on each store in order until one delivers; the last one's failure raises.
+
+    A store that withheld or lied sends the step it offered (not the next store's newest) to the
+    next store, unless the target is set or pinned; one that lagged, the next store's newest.
+    """
+    lagging: StoreSource | None = None
+    for source, after in zip(sources, [*sources[1:], None], strict=True):
+        downloaded, source.offered = source.chain.bytes_downloaded, None
+        try:
+            result = await attempt(source, after, target)
+        except PulseSyncError as e:
+            if after is None or isinstance(e, _NOT_THE_STORES_FAULT):
+                raise
+            source.fell_back(target, e)
+            lagging = source if isinstance(e, StaleStoreError) else None
+            if lagging is None and target is None and not pinned:
+                target = source.offered
+            continue
+        finally:
+            metrics.BYTES_DOWNLOADED.inc(source.chain.bytes_downloaded - downloaded)
+        if result.path != SyncPath.UP_TO_DATE:
+            source.delivered()
+        if lagging is not None and lagging.behind_at is not None and result.step <= lagging.behind_at:
+            lagging.caught_up()  # the next store had nothing newer: its pointer moved for nothing
+        return result
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -55,7 +56,7 @@ from pulsesync.subscriber.paths import Staged, SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
 from pulsesync.subscriber.scrub import scrub
 from pulsesync.subscriber.status import SubscriberStatus
-from pulsesync.subscriber.stores import StoreSource
+from pulsesync.subscriber.stores import StoreSource, through_stores
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -68,8 +69,6 @@ _NOT_A_VERIFICATION_FAILURE = (
     DeadlineError,
     MissingReferenceError,  # a history-coded patch after a restart: the slow path rebuilds the history
 )
-# Failures no other store would change: raised at once, not taken to the next store.
-_NOT_THE_STORES_FAULT = (EngineError, ConfigError, LocalWriteError, DeadlineError)
 
 
 _KERNEL_WARM_UPS = (batch.warm_up, mixsum.warm_up)  # the decode kernels and the digest's
@@ -254,37 +253,17 @@ class Subscriber:
         """Sync from the first store of the list that delivers (`stores.py`); the last store's failure is raised."""
         t0, before = time.perf_counter(), self._bytes_downloaded()
         await self.wait_saved()
-        lagging: StoreSource | None = None
-        for source, after in zip(self.sources, [*self.sources[1:], None], strict=True):
-            downloaded = source.chain.bytes_downloaded
-            self.chain = source.chain
-            source.offered = None
-            try:
-                result = await self._sync_from(source, after, target, t0)
-            except PulseSyncError as e:
-                if after is None or isinstance(e, _NOT_THE_STORES_FAULT):
-                    raise
-                source.fell_back(target, e)
-                lagging = source if isinstance(e, StaleStoreError) else None
-                if lagging is None and target is None and self.config.step is None:  # the step it offered: no more
-                    target = source.offered
-                continue
-            finally:
-                metrics.BYTES_DOWNLOADED.inc(source.chain.bytes_downloaded - downloaded)
-            if result.path != SyncPath.UP_TO_DATE:
-                source.delivered()
-            if lagging is not None and lagging.behind_at is not None and result.step <= lagging.behind_at:
-                lagging.caught_up()  # the next store had nothing newer: the pointer moved for nothing
-            result.bytes_downloaded = self._bytes_downloaded() - before
-            self.status.stores = {s.url: {"syncs": s.syncs, "fallbacks": dict(s.fallbacks)} for s in self.sources}
-            return result
-        raise AssertionError("unreachable")  # pragma: no cover
+        started = functools.partial(self._sync_from, t0=t0)
+        result = await through_stores(self.sources, target, self.config.step is not None, started)
+        result.bytes_downloaded = self._bytes_downloaded() - before
+        self.status.stores = {s.url: {"syncs": s.syncs, "fallbacks": dict(s.fallbacks)} for s in self.sources}
+        return result
 
     async def _sync_from(
-        self, source: StoreSource, after: StoreSource | None, target: int | None, t0: float
+        self, source: StoreSource, after: StoreSource | None, target: int | None, *, t0: float
     ) -> SyncResult:
         """One sync through one store; `after` is the next store of the list (None: this is the last)."""
-        chain = source.chain
+        chain = self.chain = source.chain
         newest = await chain.newest_verified()
         self.status.rejected_markers = len(chain.rejected)
         self.status.last_rejected = next(reversed(chain.rejected.values()), None)
