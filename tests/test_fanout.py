@@ -1,6 +1,6 @@
 """Three regions on three SeaweedFS servers: an origin, a lying mirror, a lagging one, 30 subscribers
-(bench/fanout.py's run, without its no-mirror baseline): every state served verified, the origin's egress
-per patch byte the mirrors' copies plus the fallbacks."""
+(bench/fanout.py's run over 30 steps, without its no-mirror baseline): every state served verified, the
+origin's egress per patch byte the mirrors' copies plus the fallbacks' (the bench enforces its bound)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 
 async def test_subscribers_in_two_regions_are_bit_exact_past_a_lying_and_a_lagging_mirror() -> None:
     args = fanout.settings(quick=True)
+    args.steps, args.lies = 30, [8, 16, 24]  # the bench's contract needs its 60 steps; these checks do not
     result = await fanout.measure(args, baseline=False)
     run = result["runs"]["mirrored"]
     assert result["subscribers"] >= 30
@@ -30,4 +31,4 @@ async def test_subscribers_in_two_regions_are_bit_exact_past_a_lying_and_a_laggi
     assert 2.0 <= share["mirrors: patches"] <= 2.1
     assert 0 < share["subscribers: patches"] <= 2 * 3 * args.liar_region / args.steps * 1.5  # <= 2 patches a lie
     assert sum(v for k, v in share.items() if not k.endswith("patches")) <= 0.15
-    assert result["origin_egress_over_patch"] <= result["mirrors"] + 0.5
+    assert result["origin_egress_over_patch"] == pytest.approx(sum(share.values()))
