@@ -108,6 +108,21 @@ async def test_the_mirror_copies_nothing_that_does_not_verify(
     assert run.skipped == [layout.commit_key(11)] and not await target.exists(layout.commit_key(11))
 
 
+async def test_a_payload_the_origin_does_not_hold_yet_stops_the_pass_not_the_order(
+    origin: AsyncPublisher, tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    target = FileStore(tmp_path / "mirror")
+    await mirror(origin.store, target, key).run_once()
+    await publish(origin, range(9, 11))
+    payload = (await manifest_of(origin.store, key, 9)).objects[0]
+    data = await origin.store.get(payload.key)
+    await origin.store.delete_many([payload.key])  # the origin is a replica: step 9's marker came first
+    run = await mirror(origin.store, target, key, payload_wait_seconds=0.2).run_once()
+    assert run.steps == [] and not await target.exists(layout.commit_key(10))  # 10 waits for 9
+    await origin.store.put(payload.key, data)
+    assert (await mirror(origin.store, target, key).run_once()).steps == [9, 10]
+
+
 async def test_mirrors_of_mirrors_and_the_targets_own_retention(
     origin: AsyncPublisher, tmp_path: Path, key: Ed25519PrivateKey
 ) -> None:

@@ -112,8 +112,9 @@ class Mirror:
                     done.skipped.append(key)
                     metrics.MIRROR_SKIPPED.inc()
                     log.warning("mirror: not copying %s%s: %s", self.origin.store.url, key, self.skipped[key])
-                except NotFoundError as e:  # removed from the origin by its retention since the listing
-                    log.info("mirror: %s", e)
+                except NotFoundError as e:  # an object the marker lists: not yet (a replica), or pruned under it
+                    log.warning("mirror: %s; the pass stops here, the next copies the step", e)
+                    break
         await self._report_lag(origin, await self._target_markers() if done.markers else held)
         await self._retain()
         if done.markers:
@@ -122,7 +123,11 @@ class Mirror:
 
     async def _copy_marker(self, key: str, step: int, done: MirrorRun) -> None:
         """Copy one marker's objects (each verified), then the marker itself, put-if-absent; then the pointer."""
-        data, manifest = await self.origin.read_marker(step, key)
+        try:
+            data, manifest = await self.origin.read_marker(step, key)
+        except NotFoundError:  # removed by the origin's retention since the listing: nothing to copy
+            log.info("mirror: %s%s is gone from the origin", self.origin.store.url, key)
+            return
         for ref in manifest.objects:
             done.bytes_copied += await self._copy_object(ref)
         try:
