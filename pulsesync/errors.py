@@ -142,7 +142,8 @@ class PolicyLagError(EngineError):
 
 
 class StaleStoreError(StoreError):
-    """A store of a subscriber's list lags: its newest step is older than `max_lag_seconds` and the next store moved."""
+    """A store of a subscriber's list lags: the next store named a newer step `max_lag_seconds` ago (the step is
+    then taken from the next store; it never ends a sync)."""
 
     exit_code = 24
 

@@ -24,8 +24,8 @@ class SubscriberConfig(Config):
     max_lag_seconds: float = Field(
         30.0,
         gt=0,
-        description="with several stores: a store whose newest step was published longer ago than this, while the "
-        "next store's pointer moved, lags: the step is taken from the next store",
+        description="with several stores: a store lags once the next store's pointer has named a newer step for this "
+        "long (read only while the store's newest step is older than this): the step is taken from the next store",
     )
     payload_wait_seconds: float = Field(
         20.0,
