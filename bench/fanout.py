@@ -104,7 +104,7 @@ class Recorder(Sink):
     async def deliver(self, update: Update) -> None:
         expected = self.trained[update.step]
         same = update.state.keys() == expected.keys() and all(
-            torch.equal(update.state[n].view(torch.int16), expected[n].view(torch.int16)) for n in expected
+            torch.equal(update.state[n].view(torch.uint8), expected[n].view(torch.uint8)) for n in expected
         )
         self.unverified += not same
         self.served.append(update.step)

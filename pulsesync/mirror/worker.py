@@ -41,9 +41,14 @@ class MirrorRun:
     """What one pass copied."""
 
     steps: list[int] = field(default_factory=list)  # steps whose commit was copied
-    markers: int = 0  # markers copied (commits and added anchors)
     bytes_copied: int = 0  # payload and marker bytes written to the target
+    copied: dict[str, int] = field(default_factory=dict)  # the marker keys written (key -> step)
     skipped: list[str] = field(default_factory=list)  # origin markers not copied, and why
+
+    @property
+    def markers(self) -> int:
+        """Markers copied (commits and added anchors)."""
+        return len(self.copied)
 
     def summary(self) -> str:
         """One line for the log and `--once`."""
@@ -115,7 +120,7 @@ class Mirror:
                 except NotFoundError as e:  # an object the marker lists: not yet (a replica), or pruned under it
                     log.warning("mirror: %s; the pass stops here, the next copies the step", e)
                     break
-        await self._report_lag(origin, await self._target_markers() if done.markers else held)
+        await self._report_lag(origin, held | done.copied)
         await self._retain()
         if done.markers:
             log.info("mirror %s -> %s: %s", self.origin.store.url, self.target.url, done.summary())
@@ -137,7 +142,7 @@ class Mirror:
             if there != data:
                 raise ConflictError(f"{self.target.url}{key}: the target holds another marker under this key") from None
         done.bytes_copied += len(data)
-        done.markers += 1
+        done.copied[key] = step
         metrics.MIRROR_BYTES.labels("out").inc(len(data))
         if key.startswith(layout.READY_PREFIX):
             done.steps.append(step)

@@ -40,35 +40,34 @@ class PointerPoll:
         """Record that the ready markers were just listed."""
         self._listed_at = time.monotonic()
 
+    async def _read(self) -> bool:
+        """Read the pointer if it changed (a conditional GET); whether it changed or could not be read.
+
+        Missing, oversized, unreachable or slow counts as changed: the caller lists instead.
+        """
+        try:
+            read = self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
+            got = await within(self.deadline, read)
+        except (PulseSyncError, asyncio.TimeoutError) as e:
+            log.debug("pointer %s%s: %r; listing instead", self.store.url, layout.POINTER_KEY, e)
+            self.etag = self.names = None
+            return True
+        if got is None:
+            return False
+        entry = layout.parse_ready_key(got[0].decode("utf-8", "replace"))
+        self.etag, self.names = got[1], entry.step if entry is not None else None
+        return True
+
     async def names_newer(self, step: int) -> bool:
         """Whether the pointer names a step newer than `step`: True where it cannot be read or parsed (ask the store).
 
         A hint like every pointer read: it decides only whether the store is asked, never what is served.
         """
-        try:
-            got = await within(
-                self.deadline, self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
-            )
-        except (PulseSyncError, asyncio.TimeoutError):
-            self.etag = self.names = None
-            return True
-        if got is not None:
-            entry = layout.parse_ready_key(got[0].decode("utf-8", "replace"))
-            self.etag, self.names = got[1], entry.step if entry is not None else None
+        await self._read()
         return self.names is None or self.names > step
 
     async def worth_listing(self) -> bool:
         """False only while the pointer answers "not modified" and a LIST happened recently."""
         if self._listed_at is None or time.monotonic() - self._listed_at >= self.list_every_seconds:
             return True
-        try:
-            read = self.store.get_if_changed(layout.POINTER_KEY, self.etag, layout.MAX_POINTER_BYTES)
-            got = await within(self.deadline, read)
-        except (PulseSyncError, asyncio.TimeoutError) as e:  # missing, oversized, unreachable, slow: list instead
-            log.debug("pointer %s%s: %r; listing instead", self.store.url, layout.POINTER_KEY, e)
-            self.etag = None
-            return True
-        if got is None:
-            return False
-        self.etag = got[1]  # what it names is not read: the listing and the signed markers decide
-        return True
+        return await self._read()  # what it names is not trusted: the listing and the signed markers decide
