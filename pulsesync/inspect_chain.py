@@ -43,6 +43,9 @@ class ChainRow:
     age_seconds: float
     error: str | None = None
     codings: dict[str, int] | None = None  # patches of format 2: records per "KIND/VALUES[/POSITIONS]"
+    # The signed root digest of the state at the step, and its algorithm: what the trainer's digest is compared with.
+    state_digest: str | None = None
+    digest_algorithm: str | None = None
 
 
 async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | None = None) -> list[ChainRow]:
@@ -87,6 +90,8 @@ async def chain_rows(store: Store, trusted: Mapping[str, Ed25519PublicKey] | Non
                 age_seconds=max((now - manifest.created).total_seconds(), 0.0),
                 error=error,
                 codings=manifest.codec.records if isinstance(manifest, PatchManifest) else None,
+                state_digest=manifest.state_digest.root,
+                digest_algorithm=manifest.state_digest.algorithm,
             )
         )
     rows.sort(key=lambda r: (r.step, r.kind))
@@ -142,11 +147,16 @@ def _codings(codings: dict[str, int] | None) -> str:
     return ", ".join(f"{k} {n}" for k, n in sorted(codings.items(), key=lambda kv: -kv[1]))
 
 
+def _short_digest(row: ChainRow) -> str:
+    """The state digest's algorithm and the root's first 16 characters (JSON carries the whole root)."""
+    return "-" if row.state_digest is None else f"{row.digest_algorithm}:{row.state_digest[:16]}"
+
+
 def format_table(rows: list[ChainRow]) -> str:
     """A fixed-width table with a totals line."""
     header = (
         f"{'step':>8} {'kind':<6} {'from':>6} {'chain':>6} {'wire bytes':>14} {'changed':>12} {'ratio':>8} "
-        f"{'signer':<17} {'age':>7}  codings"
+        f"{'signer':<17} {'age':>7} {'state digest':<20} codings"
     )
     lines = [header]
     for r in rows:
@@ -158,7 +168,7 @@ def format_table(rows: list[ChainRow]) -> str:
         chain = "-" if r.kind == "anchor" else "broken" if r.chains_from is None else str(r.chains_from)
         lines.append(
             f"{r.step:>8} {r.kind:<6} {base:>6} {chain:>6} {r.wire_bytes:>14,} {r.changed_elements:>12,} "
-            f"{r.ratio:>7.0f}x {signer:<17} {_age(r.age_seconds):>7}  {_codings(r.codings)}"
+            f"{r.ratio:>7.0f}x {signer:<17} {_age(r.age_seconds):>7} {_short_digest(r):<20} {_codings(r.codings)}"
         )
         if r.error:
             lines.append(f"{'':>8} {r.error}")

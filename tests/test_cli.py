@@ -118,6 +118,42 @@ def test_subscribe_once_with_an_untrusted_key_fails_at_once_without_retrying(
     assert not [r for r in caplog.records if "sync failed" in r.getMessage()]  # not retried
 
 
+def test_inspect_json_rows_carry_the_state_digest_the_publisher_computed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each row's state_digest is the root of the state published at that step, with its algorithm."""
+    import asyncio
+    import json
+
+    from pulsesync.digest import state_digest
+    from pulsesync.publisher import AsyncPublisher, PublisherConfig
+    from pulsesync.store import FileStore
+    from tests.support.helpers import trainer_states
+
+    assert main(["keygen", "--out", str(tmp_path / "k")]) == 0
+    states = trainer_states(4)
+    config = PublisherConfig(signing_key=tmp_path / "k" / "publisher.key", on_backpressure="block", anchor_interval=2)
+
+    async def publish() -> None:
+        async with AsyncPublisher(config, store=FileStore(tmp_path / "store")) as pub:
+            for step, state in enumerate(states):
+                await pub.publish(step, state)
+
+    asyncio.run(publish())
+    capsys.readouterr()
+    store, key = f"file://{tmp_path / 'store'}", str(tmp_path / "k" / "publisher.pub")
+    assert main(["inspect", "--store", store, "--trusted-key", key, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["steps"]
+    expected = {step: state_digest(state) for step, state in enumerate(states)}
+    assert {r["kind"] for r in rows} == {"anchor", "patch"}
+    for row in rows:
+        assert row["state_digest"] == expected[row["step"]].root
+        assert row["digest_algorithm"] == expected[row["step"]].algorithm == "mixsum-128"
+    assert main(["inspect", "--store", store, "--trusted-key", key]) == 0
+    table = capsys.readouterr().out
+    assert f"mixsum-128:{expected[3].root[:16]}" in table
+
+
 def test_inspect_with_a_key_that_verifies_nothing_prints_the_chain_and_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
