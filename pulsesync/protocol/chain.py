@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -40,6 +41,7 @@ from pulsesync.store import ObjectInfo, Store
 
 log = logging.getLogger("pulsesync.chain")
 _VERIFIED_KEPT = 16  # raw markers kept for verified_marker()
+_WAITS_KEPT = 1024  # payload keys whose wait deadline is remembered
 T = TypeVar("T")
 
 
@@ -73,6 +75,7 @@ class ChainClient:
     _last_key: str | None = None
     _last_anchor_key: str | None = None
     _verified: dict[int, tuple[bytes, PatchManifest | AnchorManifest, str]] = field(default_factory=dict)
+    _wait_ends: dict[str, float] = field(default_factory=dict)  # payload key -> monotonic end of its one wait
 
     # --- the ready listing ---------------------------------------------------------------------
     def pin_stream(self, stream_id: str) -> None:
@@ -379,16 +382,28 @@ class ChainClient:
 
         On a replica that keeps no order the payload is "not yet", not gone: waiting for it here
         keeps a subscriber on its fast path (no slow-path storm when a fleet sees a marker early).
+        An object is waited for once: its wait ends payload_wait_seconds after the first read that
+        missed it, so a fast path that waited and the slow path after it (or a later sync) do not
+        wait again for an object that was deleted, not delayed.
         """
         if self.payload_wait_seconds <= 0:
             return await read()
+        try:
+            return await read()
+        except NotFoundError:
+            now = time.monotonic()
+            ends = self._wait_ends.setdefault(key, now + self.payload_wait_seconds)
+            while len(self._wait_ends) > _WAITS_KEPT:  # bounded: the oldest waits are long over
+                del self._wait_ends[next(iter(self._wait_ends))]
+            if ends <= now:
+                raise
 
         def waited(state: object) -> None:
             PAYLOAD_WAITS.inc()
             log.info("%s%s: listed by a verified marker, not there yet; reading it again", self.store.url, key)
 
         retrying = AsyncRetrying(
-            stop=stop_after_delay(self.payload_wait_seconds),
+            stop=stop_after_delay(max(ends - time.monotonic(), 0.0)),
             wait=wait_exponential(multiplier=0.05, max=2.0),
             retry=retry_if_exception_type(NotFoundError),
             before_sleep=waited,
@@ -396,7 +411,9 @@ class ChainClient:
         )
         async for attempt in retrying:
             with attempt:
-                return await read()
+                found = await read()
+                self._wait_ends.pop(key, None)
+                return found
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def fetch_patch(self, manifest: PatchManifest) -> bytes:

@@ -8,15 +8,19 @@ nearest anchor on the target's chain. A staged state reaches the sinks only when
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from pulsesync.codec import UndoLog
+from pulsesync.errors import NotFoundError
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import PatchManifest
 from pulsesync.rebuild import apply_chain, reconstruct
 from pulsesync.subscriber.held import HeldState
 from pulsesync.verified import VerifiedState
+
+log = logging.getLogger("pulsesync.subscriber")
 
 
 class SyncPath(str, Enum):
@@ -93,7 +97,19 @@ async def incremental(chain: ChainClient, held: HeldState, target: int) -> Stage
     return staged
 
 
-async def slow(chain: ChainClient, target: int) -> Staged:
-    """Slow path: the nearest anchor on the target's chain, then its patches."""
-    rebuilt = await reconstruct(chain, target)
+async def slow(chain: ChainClient, target: int, around_withheld: bool = False) -> Staged:
+    """Slow path: the nearest anchor on the target's chain, then its patches.
+
+    With `around_withheld` (a follower, no step asked for), a chain that misses an object (a
+    payload deleted, or pruned under the listing) is left for the newest ready step, when a newer
+    one is listed now: its own anchor, or a chain that does not pass the withheld object.
+    """
+    try:
+        rebuilt = await reconstruct(chain, target)
+    except NotFoundError as withheld:
+        newest = await chain.newest_verified() if around_withheld else None
+        if newest is None or newest <= target:
+            raise
+        log.warning("step %d: %s; rebuilding the newest step, %d, instead", target, withheld, newest)
+        rebuilt = await reconstruct(chain, newest)
     return Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, rebuilt.history, SyncPath.SLOW)

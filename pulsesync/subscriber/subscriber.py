@@ -308,7 +308,7 @@ class Subscriber:
                 if staged is None and after is not None:
                     raise NotFoundError(f"{source.url}: the chain from step {self.step} to step {target} has a gap")
             if staged is None:
-                staged = await paths.slow(chain, target)
+                staged = await paths.slow(chain, target, around_withheld=following)
         if staged is not None:
             await self._activate(staged)
         path = staged.path if staged is not None else SyncPath.UP_TO_DATE
