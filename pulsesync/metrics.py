@@ -48,6 +48,12 @@ STORE_FALLBACKS = Counter(
     "Steps a store of the subscriber's list did not deliver (taken from the next), by store and reason",
     ["store", "reason"],
 )
+STORE_MARKERS_REJECTED = Counter(
+    "pulsesync_store_markers_rejected_total",
+    "Ready markers a store of the subscriber's list offered that did not verify (another stream's, forged, "
+    "replayed), by store and reason",
+    ["store", "reason"],
+)
 BYTES_DOWNLOADED = Counter("pulsesync_bytes_downloaded_total", "Bytes read from the store")
 SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being served")
 LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")

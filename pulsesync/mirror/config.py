@@ -18,6 +18,11 @@ class MirrorConfig(Config):
     trusted_keys: list[Path] = Field(
         default_factory=list, description="the publisher's public keys: only steps whose markers they sign are copied"
     )
+    stream_id: str | None = Field(
+        None,
+        description="copy only this publishing stream (a run's stream id, as `pulsesync inspect` shows it); null: "
+        "the stream of the target's newest step, else of the origin's newest anchor when the target is empty",
+    )
     interval_seconds: float = Field(1.0, gt=0, description="how often the daemon lists the origin for new steps")
     payload_wait_seconds: float = Field(
         30.0,

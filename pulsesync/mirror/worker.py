@@ -2,7 +2,12 @@
 
 Nothing the origin serves is trusted: each marker is verified (signature, step) and each object
 it lists is checked against its signed size and SHA-256 before a byte of it is written to the
-target, so a mirror never holds what a subscriber would refuse. A step is copied payloads
+target, so a mirror never holds what a subscriber would refuse. A mirror copies one publishing
+stream, pinned as a subscriber pins it: `stream_id` when set, else the stream of the target's
+newest step, else (an empty target) that of the origin's newest anchor. Markers of any other
+stream (a lying upstream offering another run signed with the same key) are skipped and
+counted, and the target's own markers of another stream never decide where copying resumes, so
+they cannot freeze it. A step is copied payloads
 first, its marker last with put-if-absent, then the pointer: a crash at any point leaves the
 target without that step's marker, and the next run copies the step again (copies are
 idempotent: the same bytes under the same keys). The target's own retention, when configured,
@@ -28,7 +33,7 @@ from pulsesync.mirror.config import MirrorConfig
 from pulsesync.mirror.plan import first_step, marker_step, to_copy
 from pulsesync.protocol import layout
 from pulsesync.protocol.chain import ChainClient
-from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, ObjectRef
+from pulsesync.protocol.manifest import MAX_MANIFEST_BYTES, ObjectRef, verify_manifest
 from pulsesync.retention.worker import RetentionWorker
 from pulsesync.store import Store
 
@@ -65,8 +70,12 @@ class Mirror:
     ) -> None:
         if not trusted:
             raise ConfigError("trusted_keys: a mirror verifies every marker and needs the publisher's public key")
-        self.origin = ChainClient(origin, trusted, payload_wait_seconds=config.payload_wait_seconds)
+        self.origin = ChainClient(
+            origin, trusted, stream_id=config.stream_id, payload_wait_seconds=config.payload_wait_seconds
+        )
+        self.trusted = trusted
         self.target = target
+        self._target_streams: dict[str, str | None] = {}  # target commit key -> its stream (None: does not verify)
         self.config = config
         self.retention = RetentionWorker(target, config.retention, trusted) if config.retention else None
         self.skipped: dict[str, str] = {}  # origin marker key -> why it is not copied (not tried again)
@@ -81,6 +90,27 @@ class Mirror:
                     held[info.key] = step
         return held
 
+    async def _stream_held(self, key: str, step: int) -> str | None:
+        """The stream of a target commit marker that verifies (read once: markers never change); None otherwise."""
+        if key not in self._target_streams:
+            try:
+                data = await self.target.get(key, max_size=MAX_MANIFEST_BYTES)
+                manifest = verify_manifest(data, self.trusted, name=f"{self.target.url}{key}")
+                self._target_streams[key] = manifest.stream_id if manifest.step == step else None
+            except (NotFoundError, IntegrityError):
+                self._target_streams[key] = None
+        return self._target_streams[key]
+
+    async def _newest_held(self, held: Mapping[str, int]) -> int | None:
+        """The target's newest step of the stream copied (pinned here from the target's newest, if not yet)."""
+        commits = sorted(((s, k) for k, s in held.items() if k.startswith(layout.READY_PREFIX)), reverse=True)
+        for step, key in commits:
+            stream = await self._stream_held(key, step)
+            if stream is not None and self.origin.stream_id in (None, stream):
+                self.origin.pin_stream(stream)
+                return step
+        return None
+
     async def _origin_markers(self) -> dict[str, int]:
         await self.origin.refresh(anchors=True)
         return {key: step for key in self.origin.ready_keys if (step := marker_step(key)) is not None}
@@ -89,13 +119,14 @@ class Mirror:
         """The origin's newest step with an anchor that verifies: where an empty target starts."""
         added = {step for key, step in origin.items() if key.startswith(layout.ANCHOR_READY_PREFIX)}
         for step in sorted({s for k, s in origin.items() if k.startswith(layout.READY_PREFIX)}, reverse=True):
-            if step in added:
-                return step
             try:
-                if (await self.origin.commit_manifest(step)).kind == "anchor":
-                    return step
+                manifest = await self.origin.commit_manifest(step)  # of the pinned stream, if one is pinned
             except (NotFoundError, IntegrityError) as e:
                 log.debug("step %d: %s", step, e)
+                continue
+            if step in added or manifest.kind == "anchor":
+                self.origin.pin_stream(manifest.stream_id)
+                return step
         return max(added, default=None)
 
     async def run_once(self) -> MirrorRun:
@@ -103,7 +134,7 @@ class Mirror:
         done = MirrorRun()
         origin, held = await self._origin_markers(), await self._target_markers()
         newest_origin = max(origin.values(), default=None)
-        newest_held = max((s for k, s in held.items() if k.startswith(layout.READY_PREFIX)), default=None)
+        newest_held = await self._newest_held(held)
         if newest_origin is not None:
             anchor = None if newest_held is not None else await self._newest_anchor(origin)
             start = first_step(newest_held, [] if anchor is None else [anchor], newest_origin)
@@ -120,7 +151,7 @@ class Mirror:
                 except NotFoundError as e:  # an object the marker lists: not yet (a replica), or pruned under it
                     log.warning("mirror: %s; the pass stops here, the next copies the step", e)
                     break
-        await self._report_lag(origin, held | done.copied)
+        await self._report_lag(origin, max([-1 if newest_held is None else newest_held, *done.steps]))
         await self._retain()
         if done.markers:
             log.info("mirror %s -> %s: %s", self.origin.store.url, self.target.url, done.summary())
@@ -169,10 +200,9 @@ class Mirror:
         metrics.MIRROR_BYTES.labels("out").inc(ref.size)
         return ref.size
 
-    async def _report_lag(self, origin: Mapping[str, int], held: Mapping[str, int]) -> None:
+    async def _report_lag(self, origin: Mapping[str, int], newest_held: int) -> None:
         """Steps the target lacks, and seconds since the first of them was published (0 when caught up)."""
-        commits = {s for k, s in origin.items() if k.startswith(layout.READY_PREFIX)}
-        newest_held = max((s for k, s in held.items() if k.startswith(layout.READY_PREFIX)), default=-1)
+        commits = {s for k, s in origin.items() if k.startswith(layout.READY_PREFIX) and k not in self.skipped}
         missing = sorted(s for s in commits if s > newest_held)
         metrics.MIRROR_LAG_STEPS.set(len(missing))
         age = 0.0

@@ -16,6 +16,11 @@ the list, counted against the store that failed:
 A step a store withheld or lied about is taken from the next store at that step, not the next
 store's newest: the sync after goes back to the first store for what follows.
 
+The stream a subscriber follows is never chosen by a mirror: it is the configured `stream_id`,
+else the stream of the cache's own signed marker, else that of the last store's newest step (the
+origin, the store trusted most). Every store's markers of another stream are then refused and
+counted against that store (`pulsesync_store_markers_rejected_total`), whatever the order of starts.
+
 The next sync starts from the first store again, so a subscriber returns to its mirror as soon as
 the mirror catches up. Only the last store (the origin) takes the slow path after a failed
 fast path; on any other, a failure moves to the next store instead, so one bad mirror never
@@ -31,7 +36,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pulsesync import metrics
-from pulsesync.errors import ConfigError, DeadlineError, EngineError, LocalWriteError, PulseSyncError, StaleStoreError
+from pulsesync.errors import (
+    ConfigError,
+    DeadlineError,
+    EngineError,
+    LocalWriteError,
+    NothingPublishedError,
+    PulseSyncError,
+    StaleStoreError,
+)
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.store import Store
 from pulsesync.subscriber.paths import SyncPath, SyncResult
@@ -96,6 +109,23 @@ class StoreSource:
         self.behind_since = self.behind_at = None
 
 
+async def trusted_stream(sources: list[StoreSource]) -> str:
+    """The stream of the last store's newest verified step: what a cold subscriber follows on every store."""
+    origin = sources[-1].chain
+    newest = await origin.newest_verified()
+    if newest is None:
+        if origin.last_rejection is not None:
+            raise origin.last_rejection
+        raise NothingPublishedError(f"{sources[-1].url}: no step published yet")
+    return (await origin.commit_manifest(newest)).stream_id
+
+
+def count_rejections(source: StoreSource, before: set[str]) -> None:
+    """Count against the store the markers its chain refused since `before` (another stream's, forged, replayed)."""
+    for key in source.chain.rejected.keys() - before:
+        metrics.STORE_MARKERS_REJECTED.labels(source.url, source.chain.rejected[key].partition(":")[0]).inc()
+
+
 Attempt = Callable[[StoreSource, "StoreSource | None", "int | None"], Awaitable[SyncResult]]
 
 
@@ -108,6 +138,7 @@ async def through_stores(sources: list[StoreSource], target: int | None, pinned:
     lagging: StoreSource | None = None
     for source, after in zip(sources, [*sources[1:], None], strict=True):
         downloaded, source.offered = source.chain.bytes_downloaded, None
+        rejected = set(source.chain.rejected)
         try:
             result = await attempt(source, after, target)
         except PulseSyncError as e:
@@ -120,6 +151,7 @@ async def through_stores(sources: list[StoreSource], target: int | None, pinned:
             continue
         finally:
             metrics.BYTES_DOWNLOADED.inc(source.chain.bytes_downloaded - downloaded)
+            count_rejections(source, rejected)
         if result.path != SyncPath.UP_TO_DATE:
             source.delivered()
         if lagging is not None and lagging.behind_at is not None and result.step <= lagging.behind_at:

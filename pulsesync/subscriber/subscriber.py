@@ -56,7 +56,7 @@ from pulsesync.subscriber.paths import Staged, SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
 from pulsesync.subscriber.scrub import scrub
 from pulsesync.subscriber.status import SubscriberStatus
-from pulsesync.subscriber.stores import StoreSource, through_stores
+from pulsesync.subscriber.stores import StoreSource, through_stores, trusted_stream
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -195,7 +195,8 @@ class Subscriber:
         if cached is None:
             return
         await resume.replay(self.chain, cached, cache_dir)
-        stream = await resume.vouching_stream(self.chain, cached, cache_dir, self.config.reset_stream)
+        # The last store (the origin) is asked: a mirror does not choose the stream (`stores.py`).
+        stream = await resume.vouching_stream(self.sources[-1].chain, cached, cache_dir, self.config.reset_stream)
         if stream is None:
             return
         self._learn_stream(stream)
@@ -253,10 +254,15 @@ class Subscriber:
         """Sync from the first store of the list that delivers (`stores.py`); the last store's failure is raised."""
         t0, before = time.perf_counter(), self._bytes_downloaded()
         await self.wait_saved()
+        if len(self.sources) > 1 and self.sources[-1].chain.stream_id is None:  # cold: the origin names the stream
+            self._learn_stream(await trusted_stream(self.sources))
         started = functools.partial(self._sync_from, t0=t0)
         result = await through_stores(self.sources, target, self.config.step is not None, started)
         result.bytes_downloaded = self._bytes_downloaded() - before
-        self.status.stores = {s.url: {"syncs": s.syncs, "fallbacks": dict(s.fallbacks)} for s in self.sources}
+        self.status.stores = {
+            s.url: {"syncs": s.syncs, "fallbacks": dict(s.fallbacks), "rejected_markers": len(s.chain.rejected)}
+            for s in self.sources
+        }
         return result
 
     async def _sync_from(
