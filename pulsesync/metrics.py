@@ -54,6 +54,11 @@ STORE_MARKERS_REJECTED = Counter(
     "replayed), by store and reason",
     ["store", "reason"],
 )
+ENGINE_RESTARTS = Counter(
+    "pulsesync_engine_restarts_total",
+    "Engines found holding something other than the served state (restarted) and sent it again, by sink",
+    ["sink"],
+)
 BYTES_DOWNLOADED = Counter("pulsesync_bytes_downloaded_total", "Bytes read from the store")
 SUBSCRIBER_STEP = Gauge("pulsesync_subscriber_step", "Step of the state being served")
 LAG_STEPS = Gauge("pulsesync_lag_steps", "Newest ready step minus the served step")

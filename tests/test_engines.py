@@ -182,7 +182,7 @@ async def test_sglang_sink_follows_sglangs_replies_and_knows_what_it_holds(
         assert sub.digest is not None
         assert sglang.requests[2][1] == {
             "model_path": str(step2),
-            "weight_version": f"pulsesync:step-2:{sub.digest.root}",
+            "weight_version": f"pulsesync:2:{sub.digest.root}",
             "flush_cache": True,
         }
         assert sglang.auth == {"Bearer s3cret"}

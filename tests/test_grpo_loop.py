@@ -19,13 +19,17 @@ Asserted:
 - the lag is exported (the Prometheus gauge, and TRL's logged `pulsesync/policy_lag`);
 - a batch during which the engine took an update (its reply held back by a proxy until the next
   step had landed) is generated again and tagged with the new step; an engine too far behind, or
-  ahead of the trainer, raises PolicyLagError.
+  ahead of the trainer, raises PolicyLagError;
+- the engine is killed (-9) before the rollout of trainer step 4 and restarts on its launch
+  checkpoint: the running daemon sends it the step it serves without a publish, that batch waits for
+  it and is tagged with it like every other, and the daemon logs the restart once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +62,7 @@ pytestmark = [
 
 STEPS = 8
 GENERATIONS = 4
+RESTART_AT = 4  # the engine crashes and restarts before this trainer step's rollout
 # The engine tests' tiny Llama body (head_dim 64, as vLLM's CPU attention wants) with SmolLM2's vocabulary.
 # Short, distinct prompts: no two batches share a cached prefix block, so a replay computes alike.
 PROMPTS = [f"Say {n}:" for n in ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")]
@@ -90,6 +95,18 @@ async def wait_until_held(url: str, step: int, seconds: float = 120) -> None:
     while not (await weight_info(url)).startswith(f"pulsesync:{step}:"):
         assert time.monotonic() < deadline, f"the engine never held step {step}"
         await asyncio.sleep(0.2)
+
+
+async def settled(root: Path, url: str) -> None:
+    """Wait until the engine holds the newest committed step and nothing newer comes for a second."""
+    chain = ChainClient(FileStore(root / "store"), signing.trusted_keys([root / "keys" / "publisher.pub"]))
+    while True:
+        newest = await chain.newest_verified()
+        assert newest is not None
+        await wait_until_held(url, newest)
+        await asyncio.sleep(1.0)
+        if await chain.newest_verified() == newest:
+            return
 
 
 async def post(url: str, path: str, body: dict[str, Any]) -> Any:
@@ -175,6 +192,10 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
         generate = rollout_func(engine.url, max_lag=1, on_batch=batches.append, lag_timeout_seconds=120)
 
         def rollout(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+            if len(received) == RESTART_AT:  # vLLM crashes, and comes back on its launch checkpoint
+                asyncio.run(settled(tmp_path, engine.url))
+                engine.stop(signal.SIGKILL)
+                engine.launch().ready()
             received.append(out := generate(prompts, trainer))
             return out
 
@@ -225,6 +246,7 @@ def test_grpo_trains_on_rollouts_each_tagged_with_the_policy_step_that_made_them
             assert batch.trainer_step - 1 <= batch.policy.step <= batch.trainer_step, batch
             assert out["policy_step"] == [batch.policy.step] * GENERATIONS
             assert len(out["completion_ids"]) == GENERATIONS and all(out["logprobs"])
+        assert (tmp_path / "subscriber.log").read_text().count("(restarted); sending it") == 1
 
         # Fresh servers: the last published step (weight checks) and a sample of policy steps (replays).
         store = FileStore(tmp_path / "store")

@@ -6,13 +6,18 @@ Llama in bf16 with tied embeddings; the trainer's states hold `lm_head.weight` a
 `state_dict()` does. After each sync the engine's own digest of what it holds equals the
 published state digest; at the end vLLM's `/weight_checker` checksums and greedy logprobs equal
 those of a fresh server on the same checkpoint. On CPU vLLM repacks linear weights for oneDNN
-(the parameters are emptied), so those modules go through vLLM's reload path.
+(the parameters are emptied), so those modules go through vLLM's reload path. A sink set to the
+weight-transfer backend stops with the launch flag or setting that fixes it, before any call
+vLLM could fail on; then the engine is killed (-9) and restarted on its launch checkpoint under
+the running daemon, and holds step 7 again, with nothing published, within `poll_seconds` and
+one full delivery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -29,7 +34,7 @@ from pulsesync.sinks.vllm import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer
+from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, restarted_under_daemon, version_is
 from tests.support.vllm_workload import (
     LONG_PROMPT,
     STEPS,
@@ -75,6 +80,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
                     "store": {"url": store_url},
                     "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
                     "cache_dir": str(tmp_path / "cache"),
+                    "poll_seconds": 0.5,
                     "sinks": [out.model_dump(mode="json"), sink.model_dump(mode="json")],
                 }
             )
@@ -148,6 +154,31 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
             assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None  # so: a full update
             await engine_holds(7)
             at_step_7, sums_7 = await greedy_logprobs(url), await checksums(engine.url)
+
+            # A sink set to the other path: one error naming the fix, before any call that could fail in vLLM
+            # (a collective_rpc the workers cannot answer leaves vLLM's engine dead at its next step).
+            other = VLLMSink(VLLMSinkConfig(url=url, update_dir=updates, engine_api="weight_transfer"))
+            proxy.seen.clear()
+            with pytest.raises(EngineError, match=r"launched with --worker-extension-cls .* set engine_api: worker_"):
+                await other.deliver(Update(7, dict(sub.state or {}), published[7], sub.files, None))
+            assert proxy.calls() == ["/server_info"]
+            assert await greedy_logprobs(url) == at_step_7
+
+            # vLLM is killed and comes back on its launch checkpoint under the running daemon.
+            def crash_and_relaunch() -> None:
+                nonlocal engine
+                engine.stop(signal.SIGKILL)
+                engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log").start()
+                proxy.upstream = engine.url
+
+            took = await restarted_under_daemon(sub, crash_and_relaunch, lambda: version_is(url, 7, published[7].root))
+            sent = vllm_sink.last_update
+            assert sent is not None and sent.step == 7 and sent.base is None  # the whole state, nothing published
+            bound = sub.config.poll_seconds + sent.seconds["prepare"] + sent.seconds["pause"] + 5
+            print(f"killed engine back on step 7 {took:.1f} s after it answered (bound {bound:.1f} s)")
+            assert took <= bound and sub.status.engine_restarts == 1
+            await engine_holds(7)
+            assert (await greedy_logprobs(url), await checksums(engine.url)) == (at_step_7, sums_7)
             await sub.close()
         finally:
             engine.stop()

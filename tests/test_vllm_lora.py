@@ -9,12 +9,15 @@ fresh server that loaded that step's adapter at start-up (`--lora-modules`, each
 own name, so nothing was ever loaded in place there), `/v1/models` names the step, and the
 rollout client tags its batch with it. Step 7 is an adapter of rank 16, which the server
 (`--max-lora-rank 8`) refuses: the sink raises, naming the step still served, and the server
-answers exactly as before.
+answers exactly as before. Then the server is killed (-9) and restarts on the base model while the
+daemon keeps retrying step 7: it serves step 6's adapter again, with nothing published, answering
+as the fresh server does.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,7 @@ from pulsesync.sinks.vllm_lora import adapter_version
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer
+from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, restarted_under_daemon
 from tests.support.vllm_workload import LORA_RANK, PROMPTS, greedy_logprobs, publish_checkpoints, train_lora
 
 pytest.importorskip("peft")
@@ -66,6 +69,8 @@ async def test_each_step_of_an_adapter_is_served_in_place_and_a_refused_one_keep
         "store": {"url": store_url},
         "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
         "cache_dir": str(tmp_path / "cache"),
+        "poll_seconds": 0.5,
+        "retry_max_seconds": 2.0,
         "sinks": [sink.model_dump(mode="json")],
     }
     try:
@@ -97,6 +102,21 @@ async def test_each_step_of_an_adapter_is_served_in_place_and_a_refused_one_keep
             held = await adapter_version(client, "policy")
         assert held is not None and held.step == STEPS
         assert json.loads((adapters / f"pulsesync-{7:012d}-{roots[7]}" / "adapter_config.json").read_text())["r"] == 16
+
+        async def holds_step_6() -> bool:
+            async with EngineClient(engine.url, None, 60) as client:
+                held = await adapter_version(client, "policy")
+            return held is not None and (held.step, held.digest) == (STEPS, roots[STEPS])
+
+        def crash_and_relaunch() -> None:
+            engine.stop(signal.SIGKILL)
+            engine.launch().ready()  # the same port, the base model: no adapter loaded
+
+        took = await restarted_under_daemon(sub, crash_and_relaunch, holds_step_6)
+        bound = sub.config.poll_seconds + sub.config.retry_max_seconds + 10
+        print(f"killed LoRA engine back on step {STEPS} {took:.1f} s after it answered (bound {bound:.1f} s)")
+        assert took <= bound and sub.status.engine_restarts == 1
+        assert await greedy_logprobs(engine.url, "policy") == await greedy_logprobs(reference.url, f"step-{STEPS}")
         await sub.close()
     finally:
         for server in (engine, reference):

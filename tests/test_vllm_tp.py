@@ -12,13 +12,17 @@ the fast path, the chain path and the full update, the engine's greedy logprobs 
 (the restarted server for step 5). Two faults inside a session: rank 1's update file truncated
 (rank 0 applied its part, then rolls back) and rank 1 raising mid-way through a full update (vLLM's
 reload ended, the launch checkpoint read again): each leaves the engine answering exactly as
-before, and the next sync succeeds.
+before, and the next sync succeeds. Last, the engine restarts on its launch checkpoint under the
+running daemon (killed with -9 when tied, stopped cleanly when untied): with nothing published
+both ranks hold step 6 again within `poll_seconds` and one full delivery, answering as the fresh
+step-6 server did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -32,7 +36,15 @@ from pulsesync.sinks.vllm import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, ranks_hold, transfer_ranks
+from tests.support.vllm_engine import (
+    VLLM_PYTHON,
+    EngineProxy,
+    VLLMServer,
+    ranks_hold,
+    restarted_under_daemon,
+    transfer_ranks,
+    version_is,
+)
 from tests.support.vllm_workload import (
     TINY_LLAMA,
     checkpoint,
@@ -88,6 +100,7 @@ async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: P
         "store": {"url": store_url},
         "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
         "cache_dir": str(tmp_path / "cache"),
+        "poll_seconds": 0.5,
         "sinks": [
             DirectorySinkConfig(out_dir=tmp_path / "out", keep=STEPS).model_dump(mode="json"),
             VLLMSinkConfig(url=url, update_dir=updates).model_dump(mode="json"),
@@ -171,6 +184,21 @@ async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: P
         assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None
         await synced(6)
         assert not references  # each was compared
+
+        def restart() -> None:  # on the launch checkpoint: a crash when tied, a clean stop when untied
+            nonlocal engine
+            engine.stop(signal.SIGKILL if tied else signal.SIGTERM)
+            engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", 2, engine_api="weight_transfer").start()
+            proxy.upstream = engine.url
+
+        took = await restarted_under_daemon(sub, restart, lambda: version_is(url, 6, roots[6]))
+        sent = vllm_sink.last_update
+        assert sent is not None and sent.step == 6 and sent.base is None
+        bound = sub.config.poll_seconds + sent.seconds["prepare"] + sent.seconds["pause"] + 5
+        print(f"restarted TP=2 engine back on step 6 {took:.1f} s after it answered (bound {bound:.1f} s)")
+        assert took <= bound and sub.status.engine_restarts == 1
+        await assert_ranks_hold(engine.url, updates, checkpoint(tmp_path, 6), roots[6])
+        assert (await greedy_logprobs(engine.url), await checksums(engine.url)) == served[6]
         await sub.close()
     finally:
         for server in [engine, *references.values()]:

@@ -6,13 +6,18 @@ own weight-transfer routes. Slow, fast and chain paths; after each sync the engi
 logprobs (the long prompt prefix-cached under the previous step) and `/weight_checker` checksums
 equal those of a fresh server started on that step's checkpoint, and `GET /weight_info` names the
 step and its digest. A worker that raises mid-layer (the backend's drill) leaves the engine
-answering exactly as before, naming the step it held, and the next sync succeeds.
+answering exactly as before, naming the step it held, and the next sync succeeds. `pulsesync
+subscribe` set to the worker extension against this server prints one line naming the setting
+or launch flag that fixes it (exit 14) and leaves the engine serving. The engine then stops
+cleanly and restarts on its launch checkpoint under the running daemon: with nothing published
+it holds step 7 again within `poll_seconds` and one full delivery, equal to a fresh server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -26,7 +31,14 @@ from pulsesync.sinks.vllm import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
-from tests.support.vllm_engine import VLLM_PYTHON, VLLMServer, ranks_hold, transfer_ranks
+from tests.support.vllm_engine import (
+    VLLM_PYTHON,
+    VLLMServer,
+    ranks_hold,
+    restarted_under_daemon,
+    transfer_ranks,
+    version_is,
+)
 from tests.support.vllm_workload import (
     LONG_PROMPT,
     STEPS,
@@ -56,7 +68,7 @@ async def test_the_weight_transfer_backend_serves_every_step_and_rolls_back_a_fa
     }
     references = {
         s: VLLMServer(tmp_path / "checkpoints" / f"checkpoint-{s}", tmp_path / f"reference-{s}.log", eager=True)
-        for s in (2, 3, 5, 6)
+        for s in (2, 3, 5, 6, 7)
     }
     engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", eager=True, engine_api="weight_transfer")
     updates = tmp_path / "updates"
@@ -64,9 +76,10 @@ async def test_the_weight_transfer_backend_serves_every_step_and_rolls_back_a_fa
         "store": {"url": store_url},
         "trusted_keys": [str(tmp_path / "keys" / "publisher.pub")],
         "cache_dir": str(tmp_path / "cache"),
+        "poll_seconds": 0.5,
         "sinks": [
             DirectorySinkConfig(out_dir=tmp_path / "out", keep=STEPS).model_dump(mode="json"),
-            VLLMSinkConfig(url=engine.url, update_dir=updates).model_dump(mode="json"),  # engine_api: weight_transfer
+            VLLMSinkConfig(url=engine.url, update_dir=updates).model_dump(mode="json"),  # engine_api: auto
         ],
     }
     (tmp_path / "subscribe.yaml").write_text(json.dumps(config))
@@ -124,7 +137,33 @@ async def test_the_weight_transfer_backend_serves_every_step_and_rolls_back_a_fa
             await client.post("/update_weight_version", {"new_version": "someone-else"})
         assert (await sub.sync(7)).step == 7
         assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None
+        await synced(7)
+
+        # The sink set to the worker extension, as an older release documented: one line naming the fix, exit 14.
+        extension = json.loads(json.dumps(config))
+        extension["sinks"][1]["engine_api"] = "worker_extension"
+        extension["cache_dir"] = str(tmp_path / "cache-extension")
+        (tmp_path / "extension.yaml").write_text(json.dumps(extension))
+        refused = await asyncio.to_thread(cli, "subscribe", "--config", str(tmp_path / "extension.yaml"), "--once")
+        assert refused.returncode == 14, refused.stderr
+        line = refused.stderr.strip().splitlines()[-1]
+        assert line.startswith("pulsesync: error: EngineError:") and "set engine_api: weight_transfer" in line, line
         assert await weight_info(engine.url) == f"pulsesync:7:{roots[7]}"
+        assert (await greedy_logprobs(engine.url), await checksums(engine.url)) == served[7]
+
+        # A clean restart under the running daemon, on the launch checkpoint.
+        def stop_and_relaunch() -> None:
+            engine.stop(signal.SIGTERM)
+            engine.launch().ready()  # the same port
+
+        took = await restarted_under_daemon(sub, stop_and_relaunch, lambda: version_is(engine.url, 7, roots[7]))
+        sent = vllm_sink.last_update
+        assert sent is not None and sent.step == 7 and sent.base is None
+        bound = sub.config.poll_seconds + sent.seconds["prepare"] + sent.seconds["pause"] + 5
+        print(f"restarted engine back on step 7 {took:.1f} s after it answered (bound {bound:.1f} s)")
+        assert took <= bound and sub.status.engine_restarts == 1
+        assert await ranks_hold(engine.url, updates, checkpoint(tmp_path, 7), roots[7])
+        assert (await greedy_logprobs(engine.url), await checksums(engine.url)) == served[7]
         await sub.close()
         assert not references  # each was compared
     finally:

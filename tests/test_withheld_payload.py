@@ -35,7 +35,8 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     if request.param == "fs":
         yield FileStore(tmp_path / "store")
         return
-    s3 = S3Store(BUCKET, f"withheld-{uuid.uuid4().hex[:12]}", endpoint_url=request.getfixturevalue("seaweedfs_endpoint"))
+    endpoint = request.getfixturevalue("seaweedfs_endpoint")
+    s3 = S3Store(BUCKET, f"withheld-{uuid.uuid4().hex[:12]}", endpoint_url=endpoint)
     yield s3
     await s3.close()
 

@@ -50,11 +50,13 @@ class VLLMSinkConfig(BaseModel):
 
     type: Literal["vllm"] = "vllm"
     url: str = Field(description="the vLLM server, e.g. http://127.0.0.1:8000 (started with VLLM_SERVER_DEV_MODE=1)")
-    engine_api: Literal["weight_transfer", "worker_extension"] = Field(
-        "weight_transfer",
-        description="weight_transfer: vLLM 0.32+ started with --weight-transfer-config "
+    engine_api: Literal["auto", "weight_transfer", "worker_extension"] = Field(
+        "auto",
+        description="auto: the path the server was launched with, read from its GET /server_info; "
+        "weight_transfer: vLLM 0.32+ started with --weight-transfer-config "
         '\'{"backend": "pulsesync"}\'; worker_extension: started with --worker-extension-cls '
-        "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension",
+        "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension. A setting the server was not launched with "
+        "stops the delivery before any call that could fail inside vLLM, naming the fix",
     )
     update_dir: Path = Field(
         description="where update files (and the backend's reply files) are written; the vLLM workers must read "

@@ -39,9 +39,9 @@ class EngineClient:
         """POST body as JSON; the decoded reply. EngineError on no connection, or a status >= 300 not in accept."""
         return await self._call("POST", path, body, accept)
 
-    async def get(self, path: str) -> Any:
-        """GET; the decoded reply."""
-        return await self._call("GET", path, None, ())
+    async def get(self, path: str, *, accept: tuple[int, ...] = ()) -> Any:
+        """GET; the decoded reply (EngineError as for post)."""
+        return await self._call("GET", path, None, accept)
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None, accept: tuple[int, ...]) -> Any:
         assert self._session is not None, "use EngineClient as an async context manager"

@@ -2,7 +2,7 @@
 
 After the directory sink wrote the step: `GET /model_info` (an engine whose `weight_version`
 already names this step and digest gets nothing), `POST /pause_generation`, `POST
-/update_weights_from_disk {"model_path": DIR, "weight_version": "pulsesync:step-N:DIGEST",
+/update_weights_from_disk {"model_path": DIR, "weight_version": "pulsesync:N:DIGEST",
 "flush_cache": true}`, then `POST /continue_generation`, also after a failure. SGLang answers a
 failed load with HTTP 400 `{"success": false, "message": ...}` and sets `weight_version` only
 after a load succeeded. A failure leaves weights pulsesync cannot name: SGLang's rollback reloads
@@ -20,11 +20,13 @@ from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.config import SGLangSinkConfig
 from pulsesync.sinks.http import EngineClient, paused
+from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.verified import VerifiedState
 
 
-def weight_version(update: Update) -> str:
-    """The weight_version an SGLang server reports once it holds this state."""
-    return f"pulsesync:step-{update.step}:{update.digest.root}"
+def weight_version(state: VerifiedState) -> str:
+    """The weight_version an SGLang server reports once it holds this state (the one format every engine path uses)."""
+    return HeldPolicy(state.step, state.digest.root).version
 
 
 class SGLangSink(Sink):
@@ -62,6 +64,11 @@ class SGLangSink(Sink):
                     f"sglang sink: {self.url} failed step {update.step}: {message} "
                     "(its weights are unknown until a load succeeds)"
                 )
+
+    async def holds(self, state: VerifiedState) -> bool:
+        """Whether `GET /model_info` names this state (a restarted server names its launch weights)."""
+        async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
+            return await self._version(engine) == weight_version(state)
 
     async def _version(self, engine: EngineClient) -> str | None:
         info = await engine.get("/model_info")

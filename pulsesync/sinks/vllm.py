@@ -5,10 +5,12 @@ Engine side (docs/engines.md), either path:
 - vLLM 0.32+: the `pulsesync` weight-transfer backend, registered by pulsesync's plugin entry point,
       VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model MODEL \\
           --weight-transfer-config '{"backend": "pulsesync"}'
-  (`engine_api: weight_transfer`, the default; an in-process `vllm.LLM` takes the same backend
-  through `integrations.vllm_inprocess`);
+  (`engine_api: weight_transfer`; an in-process `vllm.LLM` takes the same backend through
+  `integrations.vllm_inprocess`);
 - any vLLM with `collective_rpc`: `--worker-extension-cls pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension`
   (`engine_api: worker_extension`).
+
+`engine_api: auto` (the default) takes the path the server was launched with (`vllm_sessions.choose_api`).
 
 Each delivery asks the engine what it holds (`vllm_sessions`). An engine that already holds the
 state gets nothing; one that provably holds the previous state gets a delta (sparse where the
@@ -39,10 +41,11 @@ from pulsesync.atomic_files import replace_with
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.config import VLLMSinkConfig
-from pulsesync.sinks.http import reply_field
-from pulsesync.sinks.vllm_sessions import EngineSession, Serving, http_engine
+from pulsesync.sinks.http import EngineClient, reply_field
+from pulsesync.sinks.vllm_sessions import EngineSession, Serving, http_engine, weight_version
 from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
 from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.verified import VerifiedState
 
 __all__ = ["HeldPolicy", "SentUpdate", "VLLMSink", "VLLMSinkConfig"]
 
@@ -81,6 +84,15 @@ class VLLMSink(Sink):
             return self._connect()
         c = self.config
         return http_engine(self.url, c.api_key, c.timeout_seconds, c.pause_mode, c.engine_api, c.update_dir)
+
+    async def holds(self, state: VerifiedState) -> bool:
+        """Whether the engine's weight version names this state (`GET /weight_info`; a restart reports "default")."""
+        target = HeldPolicy(state.step, state.digest.root)
+        if self._connect is not None:
+            async with self._connect() as (session, _):
+                return await session.version() == target
+        async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
+            return await weight_version(engine) == target
 
     async def deliver(self, update: Update) -> None:
         """Bring the engine to the update's state; EngineError (naming what it holds) if it cannot."""

@@ -32,6 +32,7 @@ from pulsesync.sinks.http import EngineClient, reply_field
 from pulsesync.sinks.vllm_sessions import HTTPServing
 from pulsesync.sinks.weight_version import HeldPolicy, adapter_dir_name, parse_adapter_dir
 from pulsesync.threads import in_thread_to_completion
+from pulsesync.verified import VerifiedState
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -79,6 +80,12 @@ class VLLMLoRASink(Sink):
     def pinned(self) -> set[Path]:
         """The adapter directory the server serves from."""
         return {self.serving} if self.serving is not None else set()
+
+    async def holds(self, state: VerifiedState) -> bool:
+        """Whether the server serves this step's adapter under the name (`GET /v1/models`; a restart loses it)."""
+        c = self.config
+        async with EngineClient(self.url, c.api_key, c.timeout_seconds) as engine:
+            return await adapter_version(engine, c.adapter_name) == HeldPolicy(state.step, state.digest.root)
 
     async def deliver(self, update: Update) -> None:
         """Serve the update's adapter; EngineError naming what the server still serves if it refused it."""

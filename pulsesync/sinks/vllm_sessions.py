@@ -7,6 +7,10 @@ controls around it (pause, prefix-cache reset, resume). `EngineSession` is that 
 here, or on an in-process `vllm.LLM` in `integrations.vllm_inprocess`), `ExtensionSession`
 through `collective_rpc` into the worker extension. `Serving` is the serving side of a server
 (HTTP) or of an in-process engine.
+
+Which path a server offers is read from its launch config (`GET /server_info`, a dev-mode route
+that changes nothing), never tried: a `collective_rpc` the workers cannot answer leaves vLLM's
+executor broken, and the engine dies at its next step (vLLM 0.32, seen at TP=1 and TP=2).
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from pulsesync.errors import EngineError
 from pulsesync.sinks.http import EngineClient, paused, reply_field
 from pulsesync.sinks.transfer_replies import read_replies
 from pulsesync.sinks.weight_version import HeldPolicy, parse_version
+
+EXTENSION_CLS = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
+BACKEND = "pulsesync"
+LAUNCH_FLAGS = {
+    "weight_transfer": f'--weight-transfer-config \'{{"backend": "{BACKEND}"}}\'',
+    "worker_extension": f"--worker-extension-cls {EXTENSION_CLS}",
+}
 
 
 class Serving(ABC):
@@ -54,6 +65,10 @@ class EngineSession(ABC):
     @abstractmethod
     async def held(self) -> HeldPolicy | None:
         """The step and digest every rank holds; None when unknown, or when the ranks disagree."""
+
+    @abstractmethod
+    async def version(self) -> HeldPolicy | None:
+        """What the engine's weight version names (a cheap read, no worker RPC); None when not pulsesync's."""
 
     @abstractmethod
     async def layouts(self) -> list[dict[str, Any]]:
@@ -115,6 +130,53 @@ def agreed(helds: list[object]) -> HeldPolicy | None:
     return HeldPolicy(pair[0], pair[1])
 
 
+async def offered_apis(engine: EngineClient) -> set[str] | None:
+    """The pulsesync paths a vLLM server was launched with (`GET /server_info`); None when it does not say.
+
+    `weight_transfer`: `weight_transfer_config.backend` is pulsesync's; `worker_extension`:
+    `parallel_config.worker_extension_cls` is pulsesync's extension (or a subclass named so).
+    """
+    reply = await engine.get("/server_info?config_format=json", accept=(404,))
+    config = reply.get("vllm_config") if isinstance(reply, dict) else None
+    if not isinstance(config, dict):
+        return None
+    transfer, parallel = config.get("weight_transfer_config"), config.get("parallel_config")
+    offered = set()
+    if isinstance(transfer, dict) and transfer.get("backend") == BACKEND:
+        offered.add("weight_transfer")
+    extension = parallel.get("worker_extension_cls") if isinstance(parallel, dict) else None
+    if isinstance(extension, str) and extension.rpartition(".")[2] == EXTENSION_CLS.rpartition(".")[2]:
+        offered.add("worker_extension")
+    return offered
+
+
+async def choose_api(engine: EngineClient, configured: str) -> str:
+    """The path to talk to a server on: the configured one, checked against its launch config, or (`auto`) the one
+    it offers (the weight-transfer backend first). EngineError naming the launch flag or setting that fixes a
+    mismatch, before any call that could fail inside vLLM."""
+    offered = await offered_apis(engine)
+    where = f"vllm sink: {engine.url}"
+    if offered is None:
+        if configured != "auto":
+            return configured  # a server that does not show its config: the setting is taken as it is
+        raise EngineError(
+            f"{where} does not answer GET /server_info (start it with VLLM_SERVER_DEV_MODE=1, which the weight "
+            "routes need too), so which pulsesync path it offers is unknown: set engine_api"
+        )
+    if configured in offered or (configured == "auto" and offered):
+        return configured if configured != "auto" else min(offered, key=["weight_transfer", "worker_extension"].index)
+    if not offered:
+        raise EngineError(
+            f"{where} was launched without pulsesync: add {LAUNCH_FLAGS['weight_transfer']} (or "
+            f"{LAUNCH_FLAGS['worker_extension']}) to its launch"
+        )
+    (other,) = offered
+    raise EngineError(
+        f"{where} was launched with {LAUNCH_FLAGS[other]}, not {LAUNCH_FLAGS[configured]}: "
+        f"set engine_api: {other} (or auto) in the vllm sink, or launch it with {LAUNCH_FLAGS[configured]}"
+    )
+
+
 async def weight_version(engine: EngineClient) -> HeldPolicy | None:
     """What `GET /weight_info` names, when it is a pulsesync version (another writer's string: unknown)."""
     return parse_version((await engine.get("/weight_info") or {}).get("weight_version"))
@@ -132,6 +194,9 @@ class ExtensionSession(EngineSession):
 
     async def held(self) -> HeldPolicy | None:
         return agreed(list(await self._rpc("pulsesync_held")))
+
+    async def version(self) -> HeldPolicy | None:
+        return await weight_version(self.engine)
 
     async def layouts(self) -> list[dict[str, Any]]:
         return await self._rpc("pulsesync_layout")
@@ -227,6 +292,9 @@ class TransferSession(EngineSession):
             return None  # the ranks disagree, or the engine's version is not theirs: never trusted
         return held
 
+    async def version(self) -> HeldPolicy | None:
+        return parse_version(await self.verbs.weight_version())
+
     async def layouts(self) -> list[dict[str, Any]]:
         return [dict(r.get("layout") or {}, rank=r["rank"]) for r in await self._ranks()]
 
@@ -275,11 +343,12 @@ class TransferSession(EngineSession):
 async def http_engine(
     url: str, api_key: str | None, timeout: float, pause_mode: str, api: str, directory: Path
 ) -> AsyncIterator[tuple[EngineSession, Serving]]:
-    """A session with a vLLM server over HTTP on the configured path, and its serving routes."""
+    """A session with a vLLM server over HTTP on the path `choose_api` found, and its serving routes."""
     async with EngineClient(url, api_key, timeout) as engine:
+        chosen = await choose_api(engine, api)
         session: EngineSession = (
             TransferSession(HTTPVerbs(engine), directory)
-            if api == "weight_transfer"
+            if chosen == "weight_transfer"
             else ExtensionSession(engine, timeout)
         )
         yield session, HTTPServing(engine, pause_mode)

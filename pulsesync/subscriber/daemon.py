@@ -1,5 +1,6 @@
 """The subscriber daemon: follow the store until stopped (poll, sync, back off on failures, scrub on a timer),
-serving /metrics and /healthz. It drives a subscriber through what `Follower` names, and reads nothing else."""
+serving /metrics and /healthz. Each poll tick first brings back engines that restarted since the last one
+(`restarts.py`). It drives a subscriber through what `Follower` names, and reads nothing else."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class Follower(Protocol):
     def serving(self) -> bool: ...
 
     async def start(self) -> None: ...
+
+    async def bring_back_engines(self) -> int: ...
 
     async def sync(self, target: int | None = None) -> SyncResult: ...
 
@@ -116,6 +119,14 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
+async def _bring_back_engines(follower: Follower) -> None:
+    """Engines that restarted get the served state now; a failed delivery is logged and tried again next tick."""
+    try:
+        await follower.bring_back_engines()
+    except PulseSyncError as e:
+        log.error("an engine that restarted did not take step %d again (%s: %s)", follower.step, type(e).__name__, e)
+
+
 async def _scrub_periodically(follower: Follower, interval: float, stop: asyncio.Event) -> None:
     while not stop.is_set():
         await _wait(stop, interval)
@@ -137,6 +148,8 @@ async def run(follower: Follower, stop: asyncio.Event) -> None:
         )
     try:
         while not stop.is_set():
+            if follower.serving:
+                await _bring_back_engines(follower)
             if follower.poll is not None and follower.serving and not await follower.poll.worth_listing():
                 await follower.report(None)
                 await _wait(stop, config.poll_seconds)  # the pointer did not change: nothing new
@@ -145,6 +158,8 @@ async def run(follower: Follower, stop: asyncio.Event) -> None:
             try:
                 async for attempt in retrying(follower, None, stop):  # until a sync succeeds or stop is set
                     with attempt:
+                        if attempt.retry_state.attempt_number > 1 and follower.serving:  # a step that keeps failing
+                            await _bring_back_engines(follower)
                         if not stop.is_set():
                             result = await follower.sync()
             except NothingPublishedError as e:  # the start of a run: poll on at the usual interval

@@ -23,4 +23,5 @@ class SubscriberStatus:
     last_rejected: str | None = None
     sync_running_seconds: float | None = None
     stores: dict[str, dict[str, Any]] = field(default_factory=dict)  # per store: syncs, fallbacks by reason
+    engine_restarts: int = 0  # engines found restarted under the subscriber and sent the served state again
     diverged: str | None = None  # a scrub found the held state differs from its digest (rebuilt at the next sync)

@@ -54,6 +54,7 @@ from pulsesync.subscriber.fleet import FleetReporter, default_subscriber_id
 from pulsesync.subscriber.held import HeldState
 from pulsesync.subscriber.paths import Staged, SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
+from pulsesync.subscriber.restarts import RestartWatch
 from pulsesync.subscriber.scrub import scrub
 from pulsesync.subscriber.status import SubscriberStatus
 from pulsesync.subscriber.stores import StoreSource, through_stores, trusted_stream
@@ -124,6 +125,7 @@ class Subscriber:
             sink_configs.append(DirectorySinkConfig(out_dir=config.out_dir))
         self.sinks = sinks if sinks is not None else build_sinks(sink_configs)
         self.held = HeldState()
+        self.restarts = RestartWatch(self.sinks)
         self.status = SubscriberStatus()
         self.cache = (
             CacheWriter(config.cache_dir, config.cache_journal_ratio, self.held.lock)
@@ -383,6 +385,15 @@ class Subscriber:
             self._learn_stream(found[1].stream_id)
         if persist and self.cache is not None:
             self.cache.served(staged.patches if staged.undo else None)  # a new state (slow path): a new base
+
+    async def bring_back_engines(self) -> int:
+        """Send the served state again to every engine that restarted since (`restarts.py`); how many were."""
+        served = self.held.served
+        if served is None or self._sync_started is not None:
+            return 0
+        brought = await self.restarts.bring_back(served)
+        self.status.engine_restarts = self.restarts.restarts
+        return brought
 
     # --- scrub, health, daemon -------------------------------------------------------------------
     async def scrub(self, bytes_per_second: float | None = None, piece_bytes: int = 64 << 20) -> list[str]:

@@ -10,8 +10,10 @@ which cannot be provoked on cue on a real server.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.request
@@ -26,8 +28,9 @@ from aiohttp import web
 
 from pulsesync.digest import state_digest
 from pulsesync.sinks.http import EngineClient
-from pulsesync.sinks.vllm_sessions import HTTPVerbs, TransferSession
+from pulsesync.sinks.vllm_sessions import HTTPVerbs, TransferSession, weight_version
 from pulsesync.sinks.weight_update import Region, part_of
+from pulsesync.subscriber import Subscriber
 from tests.support.servers import free_port
 
 VLLM_PYTHON = os.environ.get("PULSESYNC_VLLM_PYTHON")
@@ -54,11 +57,12 @@ class VLLMServer:
         engine_api: str = "worker_extension",
         extra: list[str] | None = None,
         env: Mapping[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
         self.model, self.log, self.tensor_parallel = model, log, tensor_parallel
         self.engine_api, self.extra, self.env = engine_api, extra or [], dict(env or {})
         self.eager = eager or tensor_parallel > 1
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -120,9 +124,10 @@ class VLLMServer:
         self.stop()
         raise RuntimeError(f"vLLM did not answer within {timeout:g}s; see {self.log}")
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server: SIGTERM, a clean shutdown; SIGKILL, a crash (every process of it at once)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
+            os.killpg(self.proc.pid, sig)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -198,3 +203,34 @@ async def ranks_hold(url: str, directory: Path, state: Mapping[str, torch.Tensor
         if reply["state_digest"] != expected or reply["held"]["digest"] != root:
             return False
     return True
+
+
+async def version_is(url: str, step: int, digest: str) -> bool:
+    """Whether the server's `/weight_info` names this step and digest."""
+    async with EngineClient(url, None, 30) as engine:
+        held = await weight_version(engine)
+    return held is not None and (held.step, held.digest) == (step, digest)
+
+
+async def restarted_under_daemon(
+    sub: Subscriber, restart: Callable[[], object], holds: Callable[[], Awaitable[bool]]
+) -> float:
+    """Run `sub`'s daemon, `restart()` its engine (blocking: stop it, start it on its launch checkpoint), and wait,
+    with nothing published, until `holds()`; returns the seconds from the restarted engine answering until then."""
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(sub.run(stop))
+    try:
+        await asyncio.sleep(2 * sub.config.poll_seconds)  # the daemon is polling, the engine holds the step
+        await asyncio.to_thread(restart)
+        answered = time.monotonic()
+        while True:
+            if daemon.done():
+                daemon.result()
+                raise AssertionError("the daemon stopped")
+            if await holds():
+                return time.monotonic() - answered
+            assert time.monotonic() - answered < 300, "the engine does not hold the step 300 s after its restart"
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await daemon

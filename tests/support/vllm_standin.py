@@ -8,7 +8,9 @@ tests/test_vllm_engine.py and tests/test_vllm_transfer.py against the real serve
 /start_weight_update, /update_weights, /finish_weight_update {"weight_version"}, GET /weight_info
 -> {"weight_version": ...}, "default" at start, POST /update_weight_version), which run
 pulsesync's real backend (`TransferWorker`) as a TP=1 worker does; and POST /collective_rpc ->
-{"results": [...]} (HTTP 500 when the method raises), which runs the worker extension's methods.
+{"results": [...]} (HTTP 500 when the method raises), which runs the worker extension's methods;
+GET /server_info?config_format=json -> {"vllm_config": {...}, ...} (vllm/entrypoints/serve/dev/server_info),
+whose launch config names both pulsesync paths, as a server launched with both flags does.
 Both drive a real `WeightApplier` on a module holding the state. After every update that lands
 it records the digest of what the module holds, so a test can compare it with the publisher's.
 """
@@ -53,6 +55,7 @@ class VLLMStandIn:
     paused: bool = False
     url: str = ""
     weight_version: str = "default"
+    port: int = 0  # 0: any free port; a restarted stand-in takes its predecessor's
 
     async def start(self) -> str:
         self.applier = WeightApplier(self.model, copying_loader(self.model))
@@ -61,6 +64,7 @@ class VLLMStandIn:
         for verb in ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update"):
             app.router.add_post(f"/{verb}", self._verb)
         app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/update_weight_version", self._update_weight_version)
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
@@ -69,10 +73,10 @@ class VLLMStandIn:
         app.router.add_post("/collective_rpc", self._rpc)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{self.port}"
         return self.url
 
     async def stop(self) -> None:
@@ -111,6 +115,13 @@ class VLLMStandIn:
             if body.get("weight_version") is not None:
                 self.weight_version = body["weight_version"]
         return web.json_response({"message": "ok"})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        config = {
+            "weight_transfer_config": {"backend": "pulsesync"},
+            "parallel_config": {"worker_extension_cls": "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"},
+        }
+        return web.json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})

@@ -1,0 +1,72 @@
+"""Engines restarted under a running subscriber: found on every poll tick and brought back to the served state.
+
+A vLLM or SGLang server that restarts (a crash, an OOM kill, a rolling restart) comes back on its
+launch checkpoint while the subscriber still serves its step. Every poll tick each sink reads
+what its engine holds (`Sink.holds`: a version string, never a worker RPC); an engine that holds
+anything other than the served state gets the whole of it at once, without waiting for the next
+publish. Directory sinks run again too (a no-op for a step they hold), since engine sinks such
+as SGLang's load the directory they write. A restart is counted and logged once at INFO; an
+engine that does not answer (still starting) is asked again at the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pulsesync import metrics
+from pulsesync.errors import PulseSyncError
+from pulsesync.sinks import Sink, Update
+from pulsesync.sinks.directory import DirectorySink
+from pulsesync.verified import VerifiedState
+
+log = logging.getLogger("pulsesync.subscriber")
+
+
+@dataclass
+class RestartWatch:
+    """Asks each sink's engine what it holds and brings back the ones that lost the served state."""
+
+    sinks: list[Sink]
+    silent: set[int] = field(default_factory=set)  # sinks (by index) whose engine did not answer at the last tick
+    lost: set[int] = field(default_factory=set)  # sinks whose engine was found without the served state, not back yet
+    restarts: int = 0  # engines found restarted since start
+
+    async def stale(self, served: VerifiedState) -> list[Sink]:
+        """The sinks whose engine answers and holds something other than `served`."""
+        found = []
+        for i, sink in enumerate(self.sinks):
+            try:
+                holds = await sink.holds(served)
+            except PulseSyncError as e:
+                if i not in self.silent:
+                    log.info("%s sink: its engine does not answer (%s); asking again each poll", sink.name, e)
+                self.silent.add(i)
+                continue
+            self.silent.discard(i)
+            if holds:
+                self.lost.discard(i)
+            else:
+                found.append(sink)
+        return found
+
+    async def bring_back(self, served: VerifiedState) -> int:
+        """Deliver `served` whole to every engine that lost it; how many did. A failed delivery raises (EngineError)."""
+        stale = await self.stale(served)
+        if not stale:
+            return 0
+        update = Update(served.step, served.state, served.digest, served.files, served.history)
+        for i, sink in enumerate(self.sinks):
+            if sink in stale:
+                if i not in self.lost:  # once per restart, however many ticks bringing it back takes
+                    log.info(
+                        "%s sink: its engine no longer holds step %d (restarted); sending it", sink.name, served.step
+                    )
+                    metrics.ENGINE_RESTARTS.labels(sink.name).inc()
+                    self.restarts += 1
+                    self.lost.add(i)
+            elif not isinstance(sink, DirectorySink):
+                continue
+            await sink.deliver(update)  # previous_digest None: the whole state
+        self.lost -= {i for i, sink in enumerate(self.sinks) if sink in stale}
+        return len(stale)

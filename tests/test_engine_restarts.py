@@ -1,0 +1,75 @@
+"""An engine restarted under a running daemon is brought back to the served step without a publish.
+
+The engine is the vLLM stand-in (tests/support/vllm_standin.py: pulsesync's real weight-transfer
+backend behind vLLM's routes); the real servers are restarted in the `-m engine` tests
+(tests/test_vllm_engine.py, test_vllm_transfer.py, test_vllm_tp.py, test_vllm_lora.py,
+test_grpo_loop.py). The stand-in goes away (the daemon logs once that it does not answer), comes
+back on its launch weights ("default"), and within a few poll ticks holds the served state bit
+for bit, its version naming it; the restart is counted and logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsesync.digest import state_digest
+from pulsesync.protocol import signing
+from pulsesync.publisher import AsyncPublisher, PublisherConfig
+from pulsesync.sinks import DirectorySinkConfig, VLLMSinkConfig
+from pulsesync.sinks.directory import DirectorySink
+from pulsesync.sinks.vllm import VLLMSink
+from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.store import FileStore
+from pulsesync.subscriber import Subscriber
+from tests.support.helpers import trainer_states
+from tests.support.subscribing import FAST_RETRY, STATES, publish, wait_for
+from tests.support.vllm_standin import VLLMStandIn, module_holding
+
+
+async def test_a_restarted_engine_gets_the_served_state_at_the_next_poll(
+    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FileStore(tmp_path / "store")
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=store, signing_key=key)
+    await pub.start()
+    await publish(pub, range(4))
+    engine = VLLMStandIn(module_holding(trainer_states(STATES)[0]))
+    await engine.start()
+    sinks = [
+        DirectorySink(DirectorySinkConfig(out_dir=tmp_path / "out")),
+        VLLMSink(VLLMSinkConfig(url=engine.url, update_dir=tmp_path / "updates", timeout_seconds=10)),
+    ]
+    config = FAST_RETRY.model_copy(update={"poll_seconds": 0.1, "fleet_status": False})
+    sub = Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]), sinks=sinks)
+    stop, engines = asyncio.Event(), [engine]
+    sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
+    try:
+        await wait_for(lambda: sub.step == 3 and engine.weight_version.startswith("pulsesync:3:"), "step 3", sub=sub)
+        served = HeldPolicy(3, state_digest(trainer_states(STATES)[3]).root)
+        assert engine.weight_version == served.version and sub.status.engine_restarts == 0
+
+        caplog.set_level(logging.INFO, logger="pulsesync.subscriber")
+        await engine.stop()
+        await asyncio.sleep(1.0)  # ten poll ticks with no engine
+        restarted = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engine.port)  # its launch weights
+        engines.append(restarted)
+        await restarted.start()
+        await wait_for(lambda: restarted.weight_version == served.version, "the restarted engine holds step 3", 10)
+        assert restarted.held_digests == [(3, served.digest)]  # the module holds step 3's bits
+        assert sub.step == 3 and sub.status.engine_restarts == 1
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("does not answer" in m for m in said) == 1
+        assert sum("(restarted); sending it" in m for m in said) == 1
+        await asyncio.sleep(0.5)  # later ticks find it holding the step: nothing more is sent
+        assert restarted.held_digests == [(3, served.digest)] and sub.status.engine_restarts == 1
+    finally:
+        stop.set()
+        await sub.task  # type: ignore[attr-defined]
+        await sub.close()
+        await pub.close()
+        await engines[-1].stop()
