@@ -200,6 +200,15 @@ async def test_sglang_sink_follows_sglangs_replies_and_knows_what_it_holds(
         await restarted.sync(3)  # SGLang already reports this step and digest: nothing is loaded
         assert [p for p, _ in sglang.requests] == ["/model_info"]
 
+        # SGLang restarts on its launch weights under the subscriber: a poll tick loads the served step again.
+        assert await restarted.bring_back_engines() == 0
+        sglang.version, sglang.requests = "launch", []
+        assert await restarted.bring_back_engines() == 1
+        loads = ["/model_info", "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+        assert [p for p, _ in sglang.requests] == ["/model_info", *loads]  # the check, then the sink's delivery
+        assert sglang.requests[3][1]["model_path"] == str(tmp_path / "out" / "step-000000000003")
+        assert sglang.version == f"pulsesync:3:{sub.digest.root}" and restarted.status.engine_restarts == 1
+
 
 async def test_directory_sink_keeps_what_an_engine_serves_and_reuses_only_matching_steps(tmp_path: Path) -> None:
     state = {"w": torch.ones(4, dtype=torch.bfloat16)}

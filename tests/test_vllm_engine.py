@@ -174,7 +174,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
             took = await restarted_under_daemon(sub, crash_and_relaunch, lambda: version_is(url, 7, published[7].root))
             sent = vllm_sink.last_update
             assert sent is not None and sent.step == 7 and sent.base is None  # the whole state, nothing published
-            bound = sub.config.poll_seconds + sent.seconds["prepare"] + sent.seconds["pause"] + 5
+            bound = sub.config.poll_seconds + sub.restarts.seconds + 1  # a tick, the whole delivery, the test's reads
             print(f"killed engine back on step 7 {took:.1f} s after it answered (bound {bound:.1f} s)")
             assert took <= bound and sub.status.engine_restarts == 1
             await engine_holds(7)

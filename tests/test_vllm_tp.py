@@ -194,7 +194,7 @@ async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: P
         took = await restarted_under_daemon(sub, restart, lambda: version_is(url, 6, roots[6]))
         sent = vllm_sink.last_update
         assert sent is not None and sent.step == 6 and sent.base is None
-        bound = sub.config.poll_seconds + sent.seconds["prepare"] + sent.seconds["pause"] + 5
+        bound = sub.config.poll_seconds + sub.restarts.seconds + 1  # a tick, the whole delivery, the test's reads
         print(f"restarted TP=2 engine back on step 6 {took:.1f} s after it answered (bound {bound:.1f} s)")
         assert took <= bound and sub.status.engine_restarts == 1
         await assert_ranks_hold(engine.url, updates, checkpoint(tmp_path, 6), roots[6])

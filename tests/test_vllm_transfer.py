@@ -159,7 +159,7 @@ async def test_the_weight_transfer_backend_serves_every_step_and_rolls_back_a_fa
         took = await restarted_under_daemon(sub, stop_and_relaunch, lambda: version_is(engine.url, 7, roots[7]))
         sent = vllm_sink.last_update
         assert sent is not None and sent.step == 7 and sent.base is None
-        bound = sub.config.poll_seconds + sent.seconds["prepare"] + sent.seconds["pause"] + 5
+        bound = sub.config.poll_seconds + sub.restarts.seconds + 1  # a tick, the whole delivery, the test's reads
         print(f"restarted engine back on step 7 {took:.1f} s after it answered (bound {bound:.1f} s)")
         assert took <= bound and sub.status.engine_restarts == 1
         assert await ranks_hold(engine.url, updates, checkpoint(tmp_path, 7), roots[7])

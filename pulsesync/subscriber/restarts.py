@@ -12,6 +12,7 @@ engine that does not answer (still starting) is asked again at the next tick.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from pulsesync import metrics
@@ -31,6 +32,7 @@ class RestartWatch:
     silent: set[int] = field(default_factory=set)  # sinks (by index) whose engine did not answer at the last tick
     lost: set[int] = field(default_factory=set)  # sinks whose engine was found without the served state, not back yet
     restarts: int = 0  # engines found restarted since start
+    seconds: float = 0.0  # the last bring-back's deliveries, from the first to the last sink
 
     async def stale(self, served: VerifiedState) -> list[Sink]:
         """The sinks whose engine answers and holds something other than `served`."""
@@ -56,6 +58,7 @@ class RestartWatch:
         if not stale:
             return 0
         update = Update(served.step, served.state, served.digest, served.files, served.history)
+        started = time.perf_counter()
         for i, sink in enumerate(self.sinks):
             if sink in stale:
                 if i not in self.lost:  # once per restart, however many ticks bringing it back takes
@@ -69,4 +72,5 @@ class RestartWatch:
                 continue
             await sink.deliver(update)  # previous_digest None: the whole state
         self.lost -= {i for i, sink in enumerate(self.sinks) if sink in stale}
+        self.seconds = time.perf_counter() - started
         return len(stale)
