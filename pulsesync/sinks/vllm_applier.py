@@ -23,6 +23,9 @@ is rebuilt from this worker's copy of its part of the checkpoint tensors: the pa
 recreated in model format from vLLM's reload metadata, filled, and post-processed again, as
 vLLM's own layerwise reload does, so a sparse update stays sparse and each rank keeps only its share.
 Full updates go through vLLM's `reload_weights`, which shards whole checkpoint tensors itself.
+A full update ends by rehearsing the first delta's work (`_rehearse`): the shadow copied into memory
+of its own (not pages of the update file) and each rebuilt module prepared once on a twin that is
+dropped, so that the first delta after a start costs what the next ones do.
 """
 
 from __future__ import annotations
@@ -369,7 +372,21 @@ class WeightApplier:
         self._check_in_place(params, update.whole)
         if misplaced:
             self._refuse(misplaced, source)
+        self._rehearse()
         return len(update.whole)
+
+    def _rehearse(self) -> None:
+        """Do once, at a full update, what the first delta after it would pay before its pause.
+
+        That delta's writes faulted in the shadow's pages (still the update file's) and its twins
+        met the allocator and the engine's post-load kernels for the first time: its staging took
+        5x the next ones' (bench/engines.py). The shadow gets memory of its own, and each rebuilt
+        module is prepared once on a twin that is dropped.
+        """
+        self.shadow = {name: tensor.clone() for name, tensor in self.shadow.items()}
+        with torch.no_grad():
+            for module in sorted({self.layout.slots[name].module for name in self.shadow}):
+                self.rebuilder.prepare(self.model.get_submodule(module), self._model_format(module, self.shadow))
 
     def _apply_delta(
         self, update: WeightUpdate, journal: Journal, twins: Mapping[str, torch.nn.Module], drill: int | None
