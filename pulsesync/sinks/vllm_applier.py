@@ -384,9 +384,9 @@ class WeightApplier:
         module is prepared once on a twin that is dropped. Not in a MoE model: there the rehearsal
         left the experts kernel computing otherwise than a fresh engine (tests/test_vllm_moe.py).
         """
-        modules = sorted({self.layout.slots[name].module for name in self.shadow})
-        if any(_experts_kernel(self.model.get_submodule(module)) is not None for module in modules):
+        if any(_experts_kernel(module) is not None for module in self.model.modules()):
             return  # a MoE model: left as it was (a rehearsal there changed what the experts kernel computes)
+        modules = sorted({self.layout.slots[name].module for name in self.shadow})
         self.shadow = {name: tensor.clone() for name, tensor in self.shadow.items()}
         with torch.no_grad():
             for module in modules:
