@@ -381,11 +381,12 @@ class WeightApplier:
         That delta's writes faulted in the shadow's pages (still the update file's) and its twins
         met the allocator and the engine's post-load kernels for the first time: its staging took
         5x the next ones' (bench/engines.py). The shadow gets memory of its own, and each rebuilt
-        module is prepared once on a twin that is dropped. Not in a MoE model: there the rehearsal
-        left the experts kernel computing otherwise than a fresh engine (tests/test_vllm_moe.py).
+        module is prepared once on a twin that is dropped. Not in a MoE model: a twin there prepacks into
+        the experts kernel it shares with the live layer, and no MoE engine test passes here to prove a
+        dropped one harmless (tests/test_vllm_moe.py fails on this machine without the rehearsal too).
         """
         if any(_experts_kernel(module) is not None for module in self.model.modules()):
-            return  # a MoE model: left as it was (a rehearsal there changed what the experts kernel computes)
+            return  # a MoE model: its twins share the experts kernel; left as it was until a MoE test proves it safe
         modules = sorted({self.layout.slots[name].module for name in self.shadow})
         self.shadow = {name: tensor.clone() for name, tensor in self.shadow.items()}
         with torch.no_grad():
