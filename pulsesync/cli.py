@@ -441,7 +441,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 "patches_applied": rebuilt.patches_applied,
                 "digest": rebuilt.digest.root,
                 "manifests_verified": reader.manifests_verified,
-                "bytes_downloaded": reader.bytes_downloaded,
+                "bytes_downloaded": reader.fetcher.bytes_downloaded,
             }
             print(json.dumps(report))
 

@@ -176,7 +176,7 @@ async def _demo(
             "fallbacks": {
                 n: ", ".join(f"{k} x{v}" for k, v in s.status.fallbacks.items()) or "0" for n, s in subs.items()
             },
-            "bytes downloaded": {n: f"{s.chain.bytes_downloaded:,}" for n, s in subs.items()},
+            "bytes downloaded": {n: f"{s.chain.fetcher.bytes_downloaded:,}" for n, s in subs.items()},
             "bitwise equal to trainer": {n: "yes" if equal[n] else "NO" for n in subs},
         }
         for label, cells in rows.items():

@@ -1,16 +1,15 @@
 """States built from a chain: anchors loaded, patches applied in place, every link verified.
 
 What the subscriber's paths, a publisher's resume, `pulsesync verify` and the demo build from
-what `protocol.chain.ChainClient` reads: an anchor's state (its digest checked), a patch or a
-sharded step's parts applied under an undo log (the result checked against the manifest's state
-digest), a chain of them with downloads ahead of the apply, and a step rebuilt from the nearest
-anchor that verifies.
+what a prefix's fetcher (`protocol.fetcher`) reads, as the manifests its chain client verified
+list it: an anchor's state (its digest checked), a patch or a sharded step's parts applied under
+an undo log (the result checked against the manifest's state digest), a chain of them with
+downloads ahead of the apply, and a step rebuilt from the nearest anchor that verifies.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, PulseSyncError
 from pulsesync.model_dir import INDEX_FILE, WEIGHT_SUFFIX, load_owned, pieces_metadata
 from pulsesync.progress import phase
-from pulsesync.protocol.chain import ChainClient, check_digest, split_parts
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.fetcher import Fetcher, check_digest, split_parts
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest
 from pulsesync.sharding.layout import Assembly
 from pulsesync.threads import in_thread_to_completion
@@ -45,7 +45,7 @@ class Reconstruction(VerifiedState):
 
 
 async def load_anchor(
-    chain: ChainClient, manifest: AnchorManifest
+    fetcher: Fetcher, manifest: AnchorManifest
 ) -> tuple[dict[str, torch.Tensor], StateDigest, dict[str, bytes]]:
     """The anchor's state (digest checked) and its non-weight files.
 
@@ -64,25 +64,16 @@ async def load_anchor(
         for ref in manifest.objects:
             name = ref.key.rsplit("/", 1)[-1]
             if not name.endswith(WEIGHT_SUFFIX):
-                files[name] = await chain.fetch(ref)
+                files[name] = await fetcher.fetch(ref)
                 shown.advance(ref.size)
                 continue
             path = Path(spool) / name
-            download = functools.partial(
-                chain.store.download_file,
-                ref.key,
-                path,
-                progress=shown.transfer,
-                expected_sha256=ref.sha256,
-                expected_size=ref.size,
-            )
-            done = await chain.patiently(ref.key, download)
-            chain.bytes_downloaded += done.size
+            await fetcher.download(ref, path, progress=shown.transfer)
             try:
                 shard = await asyncio.to_thread(load_owned, path)
                 places = await asyncio.to_thread(pieces_metadata, path)
             except SafetensorError as e:
-                raise IntegrityError(f"{chain.store.url}{ref.key}: not a valid safetensors file ({e})") from None
+                raise IntegrityError(f"{fetcher.store.url}{ref.key}: not a valid safetensors file ({e})") from None
             path.unlink()
             if places is not None:  # one rank's pieces of a sharded anchor (docs/sharding.md)
                 assembly = assembly or Assembly(f"anchor {manifest.step}")
@@ -96,14 +87,14 @@ async def load_anchor(
         if duplicate := state.keys() & pieced.keys():
             raise IntegrityError(f"anchor {manifest.step}: tensor {sorted(duplicate)[0]!r} is in two shards")
         state.update(pieced)
-    digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, chain.threads)
+    digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, fetcher.threads)
     check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
     files.pop(INDEX_FILE, None)  # describes the shards, which a reader lays out anew
     return state, digest, files
 
 
 async def apply_step(
-    chain: ChainClient,
+    fetcher: Fetcher,
     state: dict[str, torch.Tensor],
     digest: StateDigest,
     manifest: PatchManifest,
@@ -123,7 +114,7 @@ async def apply_step(
             f"patch {manifest.step}: its base digest {manifest.base_digest} is not the held state's {digest.root}"
         )
     if data is None:
-        data = await chain.fetch_patch(manifest)
+        data = await fetcher.fetch_patch(manifest)
     # A patch never decodes to much more than the state it changes: a signed zstd bomb (a small
     # frame declaring GiBs, sizes consistent) is refused before anything is allocated.
     held_bytes = dense_bytes(state)
@@ -142,7 +133,7 @@ async def apply_step(
             state,
             split_parts(manifest, data),
             base_digest=digest,
-            threads=chain.threads,
+            threads=fetcher.threads,
             undo=undo,
             max_decoded_bytes=limit,
             expected=manifest.state_digest,
@@ -155,7 +146,7 @@ async def apply_step(
             state,
             data,
             base_digest=digest,
-            threads=chain.threads,
+            threads=fetcher.threads,
             undo=undo,
             max_decoded_bytes=limit,
             reference=against,
@@ -193,12 +184,12 @@ async def reconstruct(chain: ChainClient, step: int | None = None, anchors: int 
                 )
             if not links and "patch" in ready.get(target, ()):  # the step's commit says which state it is
                 await _check_anchor_is_commit(chain, anchor)
-            state, digest, files = await load_anchor(chain, anchor)
+            state, digest, files = await load_anchor(chain.fetcher, anchor)
         except (IntegrityError, NotFoundError) as e:
             failed[walk.end] = e
             log.warning("anchor %d: %s: %s; trying the anchor before it", walk.end, type(e).__name__, e)
             continue
-        digest, history = await apply_chain(chain, state, digest, links)
+        digest, history = await apply_chain(chain.fetcher, state, digest, links)
         return Reconstruction(target, state, digest, files, history, walk.end, len(links))
     raise failed[min(failed)]
 
@@ -214,7 +205,7 @@ async def _check_anchor_is_commit(chain: ChainClient, anchor: AnchorManifest) ->
 
 
 async def apply_chain(
-    chain: ChainClient,
+    fetcher: Fetcher,
     state: dict[str, torch.Tensor],
     digest: StateDigest,
     links: list[PatchManifest],
@@ -236,7 +227,7 @@ async def apply_chain(
 
     def prefetch(i: int) -> None:
         if i < len(links) and i not in fetches:
-            fetches[i] = asyncio.create_task(chain.fetch_patch(links[i]))
+            fetches[i] = asyncio.create_task(fetcher.fetch_patch(links[i]))
 
     try:
         for i in range(min(window, len(links))):
@@ -249,7 +240,7 @@ async def apply_chain(
                     undo.append(UndoLog())
                 history = StepHistory()
                 log_ = undo[-1] if undo is not None else None
-                digest = await apply_step(chain, state, digest, link, data, log_, reference, history)
+                digest = await apply_step(fetcher, state, digest, link, data, log_, reference, history)
                 reference = history
                 if applied is not None:
                     applied.append((link, data))

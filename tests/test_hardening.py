@@ -504,7 +504,7 @@ async def test_a_patch_that_decodes_far_beyond_the_held_state_is_refused_before_
     )
     chain = ChainClient(FileStore(tmp_path), {})
     with pytest.raises(CorruptPatchError, match="above the limit"):
-        await apply_step(chain, base, digest, manifest, data)
+        await apply_step(chain.fetcher, base, digest, manifest, data)
     assert set(base) == {"w"}
 
 

@@ -142,7 +142,7 @@ async def test_a_failed_marker_write_never_advances_the_baseline(store: Store, k
     # A subscriber at step 4 applies patch 6 cleanly and lands bitwise on the trainer's step 6.
     reader = ChainClient(store, trusted(key))  # type: ignore[arg-type]
     at4 = await reconstruct(reader, 4)
-    digest = await apply_step(reader, at4.state, at4.digest, patch6, reference=at4.history)
+    digest = await apply_step(reader.fetcher, at4.state, at4.digest, patch6, reference=at4.history)
     assert digest.root == patch6.state_digest.root
     assert_states_equal(at4.state, trainer_states(9)[6])
     await assert_every_step_rebuilds(store, key, trainer_states(9))
@@ -226,7 +226,7 @@ async def test_a_marker_race_is_lost_cleanly_by_put_if_absent(tmp_path: Path, ke
     await late.start()
     intruder = await store.get(layout.commit_key(1))
     await store.put_if_absent(layout.commit_key(2), intruder)  # appears after late's listing
-    late.rounds.chain._last_key = layout.commit_key(2)  # as if its listing ran just before the intruder wrote
+    late.rounds.chain.index.last_key = layout.commit_key(2)  # as if its listing ran just before the intruder wrote
     await late.publish(2, states[2])
     with pytest.raises(ConflictError, match="already exists: another publisher"):
         await late.flush()

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from pulsesync.codec import CodecParams, PatchHistory, encode, read_header
 from pulsesync.protocol import signing
-from pulsesync.protocol.chain import split_parts
+from pulsesync.protocol.fetcher import split_parts
 from pulsesync.protocol.manifest import ObjectRef, PatchManifest
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
@@ -70,7 +70,7 @@ async def test_a_real_fine_tune_published_from_two_ranks_costs_what_an_unsharded
             reference = unsharded.history
             parts = sum(ref.size for ref in manifest.objects)
             assert parts <= 1.05 * len(unsharded.data), (step, parts, len(unsharded.data))
-            data = await sub.chain.fetch_patch(manifest)
+            data = await sub.chain.fetcher.fetch_patch(manifest)
             named = [read_header(part).reference_sha256 for part in split_parts(manifest, data)]
             assert named == ([None, None] if step == 2 else [ref.sha256 for ref in previous])
             previous = manifest.objects

@@ -113,7 +113,7 @@ class Mirror:
 
     async def _origin_markers(self) -> dict[str, int]:
         await self.origin.refresh(anchors=True)
-        return {key: step for key in self.origin.ready_keys if (step := marker_step(key)) is not None}
+        return {key: step for key in self.origin.index.marker_keys if (step := marker_step(key)) is not None}
 
     async def _newest_anchor(self, origin: Mapping[str, int]) -> int | None:
         """The origin's newest step with an anchor that verifies: where an empty target starts."""
@@ -184,14 +184,14 @@ class Mirror:
     async def _copy_object(self, ref: ObjectRef) -> int:
         """One object a verified manifest lists, checked against its size and SHA-256, then written to the target."""
         if ref.size <= _IN_MEMORY_BYTES:
-            data = await self.origin.fetch(ref)
+            data = await self.origin.fetcher.fetch(ref)
             metrics.MIRROR_BYTES.labels("in").inc(len(data))
             await self.target.put(ref.key, data)
         else:
             with tempfile.TemporaryDirectory(prefix="pulsesync-mirror-") as spool:
                 path = Path(spool) / "object"
                 store = self.origin.store
-                await self.origin.patiently(
+                await self.origin.fetcher.patiently(
                     ref.key,
                     lambda: store.download_file(ref.key, path, expected_sha256=ref.sha256, expected_size=ref.size),
                 )

@@ -37,7 +37,7 @@ class OtherStream:
 
 async def classify(chain: ChainClient, step: int) -> PatchManifest | AnchorManifest | OtherStream | None:
     """A listed step's commit: ours (verified), another stream's, or None (gone, or junk: rejected in `chain`)."""
-    while (key := chain.commit_key_of(step)) is not None:  # a legacy step's other marker after a junk one
+    while (key := chain.index.commit_key_of(step)) is not None:  # a legacy step's other marker after a junk one
         try:
             return await chain.commit_manifest(step)
         except NotFoundError:
@@ -97,7 +97,7 @@ class PrefixGuard:
     async def scan(self) -> set[int]:
         """The steps others committed since the last scan."""
         found = {entry.step for entry, info in await self.chain.refresh() if info.key not in self.own}
-        seen = self.chain.last_listed or ""
+        seen = self.chain.index.last_key or ""
         self.own = {k for k in self.own if k > seen}  # only markers not listed yet matter
         return found
 

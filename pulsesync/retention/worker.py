@@ -64,12 +64,12 @@ class RetentionWorker:
         # in the background), so a listing after the newest key seen would miss it. Deleted keys
         # cost nothing in a listing: this is O(the markers kept), not O(history).
         listed = await self.chain.refresh(from_start=True, anchors=True)
-        present = self.chain.ready_keys
+        present = self.chain.index.marker_keys
         self._manifests = {e: p for e, p in self._manifests.items() if p.marker_key in present}
         known = {p.marker_key: p for p in self._manifests.values()}
         for entry, info in listed:
             if (kept := known.get(info.key)) is not None:  # verified in an earlier run: its kind is known
-                self.chain.learned(kept.step, kept.kind, info.key)
+                self.chain.index.resolved(kept.step, kept.kind, info.key)
                 continue
             try:
                 # A commit key says its kind only in its manifest; a legacy or anchor key says it in its name.
@@ -83,7 +83,7 @@ class RetentionWorker:
             except IntegrityError as e:
                 self._skip(info.key, f"{type(e).__name__}: {e}")
                 continue
-            if self.chain.key_of(entry.step, manifest.kind) != info.key:
+            if self.chain.index.key_of(entry.step, manifest.kind) != info.key:
                 continue  # a second anchor of a step whose commit is one: the commit is the anchor kept
             base = manifest.base_step if isinstance(manifest, PatchManifest) else None
             objects = tuple((ref.key, ref.size) for ref in manifest.objects)
@@ -138,7 +138,8 @@ class RetentionWorker:
                 await self.store.delete_many([p.marker_key])
                 metrics.RETENTION_DELETED_OBJECTS.labels("marker").inc()
             self._manifests.pop(p.entry, None)
-            self.chain.forget(p.step, p.kind)
+            if (key := self.chain.index.key_of(p.step, p.kind)) is not None:
+                self.chain.index.forget(key)
         for t in todo.purge:
             await self.store.delete_many([key for key, _ in t.objects])
             _count_deleted("payload", len(t.objects), sum(size for _, size in t.objects))

@@ -82,7 +82,7 @@ async def incremental(chain: ChainClient, held: HeldState, target: int) -> Stage
     held.begin_patch()
     try:
         staged.digest, staged.history = await apply_chain(
-            chain,
+            chain.fetcher,
             served.state,
             served.digest,
             links,

@@ -10,7 +10,8 @@ from pathlib import Path
 from pulsesync import state_cache
 from pulsesync.codec import StepHistory, UndoLog
 from pulsesync.errors import ForeignStreamError, IntegrityError, NotFoundError, PulseSyncError, StoreError
-from pulsesync.protocol.chain import ChainClient, check_patch
+from pulsesync.protocol.chain import ChainClient
+from pulsesync.protocol.fetcher import check_patch
 from pulsesync.protocol.manifest import PatchManifest, verify_manifest
 from pulsesync.rebuild import apply_step
 
@@ -39,7 +40,7 @@ async def replay(chain: ChainClient, cached: state_cache.CachedState, cache_dir:
             check_patch(manifest, data, where)
             history = StepHistory()
             cached.digest = await apply_step(
-                chain, cached.state, cached.digest, manifest, data, undo, cached.history, history
+                chain.fetcher, cached.state, cached.digest, manifest, data, undo, cached.history, history
             )
         except (PulseSyncError, OSError) as e:
             undo.rollback(cached.state)

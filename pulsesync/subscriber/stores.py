@@ -137,7 +137,7 @@ async def through_stores(sources: list[StoreSource], target: int | None, pinned:
     """
     lagging: StoreSource | None = None
     for source, after in zip(sources, [*sources[1:], None], strict=True):
-        downloaded, source.offered = source.chain.bytes_downloaded, None
+        downloaded, source.offered = source.chain.fetcher.bytes_downloaded, None
         rejected = set(source.chain.rejected)
         try:
             result = await attempt(source, after, target)
@@ -150,7 +150,7 @@ async def through_stores(sources: list[StoreSource], target: int | None, pinned:
                 target = source.offered
             continue
         finally:
-            metrics.BYTES_DOWNLOADED.inc(source.chain.bytes_downloaded - downloaded)
+            metrics.BYTES_DOWNLOADED.inc(source.chain.fetcher.bytes_downloaded - downloaded)
             count_rejections(source, rejected)
         if result.path != SyncPath.UP_TO_DATE:
             source.delivered()

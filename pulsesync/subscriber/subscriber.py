@@ -222,7 +222,7 @@ class Subscriber:
         """Finish writing the state cache; release the store."""
         await self.wait_saved()
         for source in self.sources:
-            await source.chain.drop_read_ahead()
+            await source.chain.fetcher.drop_read_ahead()
         if self._warm_up is not None:
             await asyncio.wait([self._warm_up])
         for source in self.sources:
@@ -336,7 +336,7 @@ class Subscriber:
         return SyncResult(served.step, path, served.digest.root, seconds, 0)
 
     def _bytes_downloaded(self) -> int:
-        return sum(source.chain.bytes_downloaded for source in self.sources)
+        return sum(source.chain.fetcher.bytes_downloaded for source in self.sources)
 
     def _served_root(self) -> str:
         served = self.held.served
