@@ -197,7 +197,7 @@ async def scenario(
     fallbacks = {"a": 0, "b": 0}
     for region, sub, _ in subs:
         if region:
-            fallbacks[region] += sum(sum(s.fallbacks.values()) for s in sub.sources[:-1])
+            fallbacks[region] += sum(sum(s.fallbacks.values()) for s in sub.stores.sources[:-1])
     unverified = sum(r.unverified for _, _, r in subs)
     exact = all(s.state is not None and r.served and r.served[-1] == last for _, s, r in subs)
     for _, sub, _ in subs:

@@ -262,18 +262,18 @@ async def run_subscriber(spec: Spec, store_dir: Path, key_pem: bytes, cache_dir:
     # The cold start writes the whole state to cache_dir in the background; in a daemon that write
     # and its writeback have long ended before the steps that matter. Both are waited for here so
     # they do not slow the first fast steps (at 3B the writeback tripled the first one's time).
-    await sub.wait_saved()
+    await sub.cache.wait()
     os.sync()
     reset_peak()
     fast_rss0 = rss()
     seconds, cache_bytes, calls = [], [], Counter[str]()
     for step in range(1, spec["steps"] + 1):
         store.calls.clear()
-        written = sub.cache_bytes_written
+        written = sub.cache.bytes_written
         result = await sub.sync(step)
         assert result.path == "fast", result
         seconds.append(result.seconds)
-        cache_bytes.append(sub.cache_bytes_written - written)
+        cache_bytes.append(sub.cache.bytes_written - written)
         calls.update(store.calls)
     fast_peak = rss("VmHWM") - before
     fast_over = (rss("VmHWM") - fast_rss0) / model

@@ -254,7 +254,7 @@ async def check(out: Path, hidden: int, layers: int, steps: int, world: int) -> 
         if step:
             unsharded = encode(before, whole, CodecParams(threads=1), reference=reference)
             reference = unsharded.history
-            manifest = await subs[0].chain.manifest(step, "patch")
+            manifest = await subs[0].stores.chain.manifest(step, "patch")
             assert isinstance(manifest, PatchManifest)
             over_unsharded.append(sum(ref.size for ref in manifest.objects) / len(unsharded.data))
         before = whole

@@ -167,7 +167,7 @@ async def measure(
     # The read-ahead's baseline in the same run: a second subscriber whose patch GET waits for its
     # verified marker. The two take turns at each step, first one, then the other.
     sub, one_by_one = (Subscriber(SubscriberConfig(), store=store, trusted=trusted) for _ in range(2))
-    one_by_one.chain.speculate = False
+    one_by_one.stores.chain.speculate = False
     store.bucket.enabled = False
     for s in (sub, one_by_one):
         await s.sync(0)  # cold start (slow path), not measured: no need to wait for its download
@@ -188,7 +188,7 @@ async def measure(
             fast_excl.append(result.seconds - (store.read_seconds - read_before))
             patch_bytes.append(result.bytes_downloaded)
     store.bucket.enabled = False
-    anchor = await sub.chain.manifest(0, "anchor")
+    anchor = await sub.stores.chain.manifest(0, "anchor")
     assert isinstance(anchor, AnchorManifest)
     store.bucket.enabled = True
     shards = [ref for ref in anchor.objects if ref.key.endswith(".safetensors")]

@@ -245,7 +245,7 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
     )
     if args.fallback_store:
         config = _with_fallback_stores(config, args.fallback_store, args.fallback_endpoint_url or [])
-    from pulsesync.subscriber import Subscriber  # after the config: a config error answers without torch
+    from pulsesync.subscriber import Subscriber, daemon  # after the config: a config error answers without torch
 
     logging.getLogger("pulsesync.subscriber").setLevel(logging.INFO)  # one line per served step
 
@@ -254,7 +254,7 @@ def _cmd_subscribe(args: argparse.Namespace) -> int:
         try:
             if args.once:
                 await subscriber.start()
-                print((await subscriber.sync_with_retries(config.once_attempts)).to_json())
+                print((await daemon.sync_with_retries(subscriber, config.once_attempts)).to_json())
                 return
             await subscriber.run(_stop_on_signals())  # finishes the sync in progress
         finally:

@@ -172,11 +172,11 @@ async def _demo(
             "paths taken": {
                 n: ", ".join(f"{k} x{v}" for k, v in sorted(paths[n].items()) if k != "up-to-date") for n in subs
             },
-            "manifests verified": {n: str(s.chain.manifests_verified) for n, s in subs.items()},
+            "manifests verified": {n: str(s.stores.read.chain.manifests_verified) for n, s in subs.items()},
             "fallbacks": {
                 n: ", ".join(f"{k} x{v}" for k, v in s.status.fallbacks.items()) or "0" for n, s in subs.items()
             },
-            "bytes downloaded": {n: f"{s.chain.fetcher.bytes_downloaded:,}" for n, s in subs.items()},
+            "bytes downloaded": {n: f"{s.stores.bytes_downloaded:,}" for n, s in subs.items()},
             "bitwise equal to trainer": {n: "yes" if equal[n] else "NO" for n in subs},
         }
         for label, cells in rows.items():

@@ -658,16 +658,16 @@ async def test_slow_path_from_an_anchor_into_a_history_coded_chain(store: Store,
 async def test_retention_keeps_every_reference_a_kept_patch_names(store: Store, key: Any) -> None:
     async with AsyncPublisher(publisher_config(anchor_interval=4), store=store, signing_key=key) as pub:
         await _publish(pub, range(12))
-    trusted = subscriber(store, key).chain.trusted
+    trusted = subscriber(store, key).stores.chain.trusted
     await RetentionWorker(store, RetentionPolicy(keep_patches=3, keep_anchors=1, grace_seconds=0), trusted).run_once()
     keys = {info.key async for info in store.list("")}
-    chain = subscriber(store, key).chain
+    chain = subscriber(store, key).stores.chain
     for step in await chain.ready():
         await chain.resolve(step)
     kept = [step for step, kinds in chain.listed.items() if "patch" in kinds]
     assert kept and min(kept) < 11
     for step in kept:
-        manifest = await subscriber(store, key).chain.manifest(step, "patch")
+        manifest = await subscriber(store, key).stores.chain.manifest(step, "patch")
         if manifest.reference is not None:
             assert manifest.reference.key in keys
     fresh = subscriber(store, key)

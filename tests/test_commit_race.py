@@ -162,12 +162,14 @@ async def test_a_prefix_in_the_older_layout_is_followed_continued_and_pruned(
     await sub.close()
 
     policy = RetentionPolicy(keep_patches=2, keep_anchors=1, grace_seconds=0)
-    plan = await RetentionWorker(FileStore(root), policy, subscriber(FileStore(root), key).chain.trusted).run_once()
+    plan = await RetentionWorker(
+        FileStore(root), policy, subscriber(FileStore(root), key).stores.chain.trusted
+    ).run_once()
     assert {p.marker_key for p in plan.unmark} >= {
         layout.legacy_ready_key(0, "anchor"),
         layout.legacy_ready_key(1, "patch"),
     }
     fresh = subscriber(FileStore(root), key)
     for step in (10, 11):
-        rebuilt = await reconstruct(fresh.chain, step)
+        rebuilt = await reconstruct(fresh.stores.chain, step)
         assert_states_equal(rebuilt.state, states[step])

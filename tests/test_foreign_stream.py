@@ -62,8 +62,8 @@ async def assert_cold_subscribers_serve_the_origins_run(
         async with sub:
             await sub.sync()
             assert_serving(sub, step)
-            assert sub.sources[0].chain.stream_id == sub.sources[1].chain.stream_id
-            assert {layout.commit_key(1000), layout.commit_key(1001)} <= set(sub.sources[0].chain.rejected)
+            assert sub.stores.sources[0].chain.stream_id == sub.stores.sources[1].chain.stream_id
+            assert {layout.commit_key(1000), layout.commit_key(1001)} <= set(sub.stores.sources[0].chain.rejected)
             assert sub.status.stores[mirror.location]["rejected_markers"] >= 2
 
 
@@ -111,5 +111,5 @@ async def test_a_mirror_offering_another_runs_markers_never_chooses_the_run(
     async with sub:
         await sub.sync()
         assert_serving(sub, 8)
-        assert sub.sources[0].syncs == 1
+        assert sub.stores.sources[0].syncs == 1
     await run_a.close()

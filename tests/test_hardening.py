@@ -344,7 +344,7 @@ async def test_an_oversized_patch_on_s3_is_cut_off_at_its_signed_size(
         sub = subscriber(through_proxy, key)
         await sub.sync()
         await publish(pub, range(2, 4))
-        patch3 = (await sub.chain.manifest(3, "patch")).objects[0]
+        patch3 = (await sub.stores.chain.manifest(3, "patch")).objects[0]
         await pub.store.put(patch3.key, b"\x01" * (48 << 20))  # the real server now holds 48 MiB there
         proxy.bytes_sent = 0
         with pytest.raises(PulseSyncError):
@@ -463,7 +463,7 @@ async def test_a_sync_past_its_deadline_is_cut_off_and_reported_unhealthy(
     # a full parallel run: the anchor's download was cut off instead, and the sync was over at 1 s).
     deadline = 2.0
     sub = subscriber(store, key, sync_deadline_seconds=deadline)
-    sub.sinks = [Stuck()]
+    sub.sinks[:] = [Stuck()]  # the list the delivery and the restart watch share
     sync = asyncio.create_task(sub.sync())
     await asyncio.wait_for(cut_off.wait(), 30)  # the deadline fired while the sink held the sync
     await asyncio.sleep(0.3)
@@ -655,7 +655,7 @@ async def test_odd_vllm_replies_are_engine_errors(
     config = VLLMSinkConfig(url=f"http://127.0.0.1:{port}", update_dir=updates, timeout_seconds=10, engine_api=api)
     sink = VLLMSink(config)
     sub = subscriber(store, key)
-    sub.sinks = [sink]
+    sub.sinks[:] = [sink]  # the list the delivery and the restart watch share
     try:
         with pytest.raises(EngineError):
             await sub.sync()

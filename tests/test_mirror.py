@@ -85,7 +85,7 @@ async def test_an_empty_target_gets_the_newest_anchor_and_every_step_after_it(
     result = await sub.sync()
     assert (result.step, result.path) == (10, SyncPath.SLOW)
     assert_serving(sub, 10)
-    assert [s.syncs for s in sub.sources] == [1, 0]
+    assert [s.syncs for s in sub.stores.sources] == [1, 0]
 
 
 async def test_the_mirror_copies_nothing_that_does_not_verify(
@@ -141,7 +141,7 @@ async def test_mirrors_of_mirrors_and_the_targets_own_retention(
     sub = subscriber([second, origin.store], key)
     await sub.sync()
     assert_serving(sub, 11)
-    assert [s.syncs for s in sub.sources] == [1, 0]
+    assert [s.syncs for s in sub.stores.sources] == [1, 0]
 
 
 async def test_a_mirror_that_lies_or_withholds_sends_the_step_to_the_next_store(
@@ -163,7 +163,7 @@ async def test_a_mirror_that_lies_or_withholds_sends_the_step_to_the_next_store(
     result = await sub.sync()
     assert (result.step, result.path) == (9, SyncPath.FAST)
     assert_serving(sub, 9)
-    assert sub.sources[0].fallbacks == {"IntegrityError": 1} and [s.syncs for s in sub.sources] == [1, 1]
+    assert sub.stores.sources[0].fallbacks == {"IntegrityError": 1} and [s.syncs for s in sub.stores.sources] == [1, 1]
 
     # Withholds a link: step 10's marker is missing, 11's is there. The chain comes from the origin, no slow path.
     await publish(origin, range(10, 12))
@@ -171,7 +171,7 @@ async def test_a_mirror_that_lies_or_withholds_sends_the_step_to_the_next_store(
     await target.delete_many([layout.commit_key(10)])
     result = await sub.sync()
     assert (result.step, result.path) == (11, SyncPath.CHAIN)
-    assert sub.sources[0].fallbacks == {"IntegrityError": 1, "NotFoundError": 1}
+    assert sub.stores.sources[0].fallbacks == {"IntegrityError": 1, "NotFoundError": 1}
 
     # Each sync asked the mirror first (its fallbacks count them) and only the cold start took the slow path.
     assert_serving(sub, 11)
@@ -194,12 +194,12 @@ async def test_a_lagging_mirror_is_passed_over_until_it_catches_up(
     await asyncio.sleep(2.2)  # and the mirror has not caught up within the bound since
     result = await sub.sync()
     assert (result.step, result.path) == (9, SyncPath.FAST)
-    assert sub.sources[0].fallbacks == {StaleStoreError.__name__: 1}
+    assert sub.stores.sources[0].fallbacks == {StaleStoreError.__name__: 1}
     await mirror(origin.store, target, key).run_once()
     await publish(origin, range(10, 11))
     await mirror(origin.store, target, key).run_once()
     result = await sub.sync()
-    assert (result.step, result.path) == (10, SyncPath.FAST) and [s.syncs for s in sub.sources] == [2, 1]
+    assert (result.step, result.path) == (10, SyncPath.FAST) and [s.syncs for s in sub.stores.sources] == [2, 1]
 
 
 async def test_a_quiet_publisher_makes_no_store_stale(
@@ -212,7 +212,7 @@ async def test_a_quiet_publisher_makes_no_store_stale(
     for _ in range(3):  # the mirror's newest step ages past the bound; the origin's pointer names no newer one
         await asyncio.sleep(1.2)
         assert (await sub.sync()).path == SyncPath.UP_TO_DATE
-    assert sub.sources[0].fallbacks == {} and sub.sources[0].syncs == 1
+    assert sub.stores.sources[0].fallbacks == {} and sub.stores.sources[0].syncs == 1
 
 
 async def test_a_marker_seen_before_its_payload_is_waited_for_not_a_slow_path(

@@ -177,9 +177,9 @@ async def test_a_step_whose_files_changed_is_an_anchor_and_subscribers_serve_the
     assert ready[3] == {"anchor"} and ready[2] == ready[4] == {"patch"}
     sub = Subscriber(SubscriberConfig(), store=store, trusted=trusted(key))  # type: ignore[arg-type]
     await sub.sync(2)
-    assert sub.files == old
+    assert sub.served.files == old
     await sub.sync(4)
-    assert sub.files == new
+    assert sub.served.files == new
     assert_states_equal(dict(sub.state or {}), states[4])
 
 

@@ -32,7 +32,7 @@ from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.sinks import Sink, Update
 from pulsesync.store import FileStore, S3Store, Store
-from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber import Subscriber, daemon
 from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.helpers import assert_states_equal, ready_kinds, trainer_states
 from tests.support.helpers import publisher_config as config
@@ -178,13 +178,13 @@ async def test_subscriber_converges_while_retention_deletes_under_it(moto_endpoi
 
     async def follow() -> None:
         try:
-            await subs["racing"].sync_with_retries(20)
+            await daemon.sync_with_retries(subs["racing"], 20)
         finally:
             done.set()
 
     await asyncio.gather(prune(), follow())  # real concurrency over HTTP: either outcome is fine...
     # ...and a subscriber whose listing predates the pruning finds its chain gone and falls back.
-    result = await subs["stale"].sync_with_retries(20)
+    result = await daemon.sync_with_retries(subs["stale"], 20)
     assert result.path == "slow" and subs["stale"].status.fallbacks == {"NotFoundError": 1}
     for name, sub in subs.items():
         assert sub.step == 19 and sinks[name].steps == [2, 19]  # only verified states were delivered

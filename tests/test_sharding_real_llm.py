@@ -64,13 +64,13 @@ async def test_a_real_fine_tune_published_from_two_ranks_costs_what_an_unsharded
         reference: PatchHistory | None = None
         previous: list[ObjectRef] = []
         for step in (2, 3):
-            manifest = await sub.chain.manifest(step, "patch")
+            manifest = await sub.stores.chain.manifest(step, "patch")
             assert isinstance(manifest, PatchManifest) and len(manifest.objects) == 2
             unsharded = encode(states[step - 2], states[step - 1], CodecParams(), reference=reference)
             reference = unsharded.history
             parts = sum(ref.size for ref in manifest.objects)
             assert parts <= 1.05 * len(unsharded.data), (step, parts, len(unsharded.data))
-            data = await sub.chain.fetcher.fetch_patch(manifest)
+            data = await sub.stores.chain.fetcher.fetch_patch(manifest)
             named = [read_header(part).reference_sha256 for part in split_parts(manifest, data)]
             assert named == ([None, None] if step == 2 else [ref.sha256 for ref in previous])
             previous = manifest.objects

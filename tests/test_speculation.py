@@ -38,7 +38,7 @@ class Timeline(RecordingStore):
 
 def _patch_key(sub: Subscriber, step: int) -> str:
     """The key of the patch object the verified manifest of `step` lists."""
-    found = sub.chain.verified_marker(step)
+    found = sub.stores.chain.verified_marker(step)
     assert found is not None and found[1].kind == "patch"
     return found[1].objects[0].key
 

@@ -21,11 +21,11 @@ async def _follow(store: Store, key: Ed25519PrivateKey, cache: Path, steps: rang
     """Sync a cached subscriber through `steps` (the first from the anchor); the cache bytes written after that."""
     sub = subscriber(store, key, cache_dir=cache, **overrides)
     await sub.sync(steps[0])
-    first = sub.cache_bytes_written
+    first = sub.cache.bytes_written
     for step in steps[1:]:
         assert (await sub.sync(step)).path == "fast"
     await sub.close()
-    return sub.cache_bytes_written - first
+    return sub.cache.bytes_written - first
 
 
 async def test_a_fast_path_step_journals_its_patch_not_the_state(

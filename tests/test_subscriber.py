@@ -38,7 +38,7 @@ from pulsesync.publisher import AsyncPublisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig
 from pulsesync.store import FileStore, RetryPolicy, S3Store, Store
-from pulsesync.subscriber import Subscriber
+from pulsesync.subscriber import Subscriber, daemon
 from pulsesync.subscriber.config import SubscriberConfig
 from tests.support.fault_proxy import FaultProxy
 from tests.support.helpers import anchor_marker, assert_states_equal, flip_byte, trainer_states
@@ -62,10 +62,10 @@ async def test_fast_chain_slow_and_cold_start_paths_end_bitwise_equal(
     late = subscriber(store, key)
     result = await late.sync()
     assert (result.path, result.step) == ("slow", 8)
-    anchor5 = await late.chain.manifest(5, "anchor")
+    anchor5 = await late.stores.chain.manifest(5, "anchor")
     assert result.bytes_downloaded > anchor5.sizes.wire_bytes  # anchor 5 + patches 6..8, not anchor 0
     assert_serving(late, 8)
-    assert late.files == {"config.json": b'{"model_type": "t"}'}
+    assert late.served.files == {"config.json": b'{"model_type": "t"}'}
 
 
 async def damage_object(store: Store, key: str, how: Callable[[bytes], bytes | None]) -> None:
@@ -154,7 +154,7 @@ async def test_a_bad_link_is_never_served_and_the_next_anchor_recovers(
     await sub.sync(6)
     await setup(store, key)
     with pytest.raises(error):
-        await sub.sync_with_retries(2)  # fast path fails, slow path (anchor 5 + 6, 7, 8) hits it too
+        await daemon.sync_with_retries(sub, 2)  # fast path fails, slow path (anchor 5 + 6, 7, 8) hits it too
     assert_serving(sub, 6)  # unchanged: nothing unverified is ever served
     assert (tmp_path / "out" / "current").resolve().name == "step-000000000006"
     tries = 1 if error is UnknownKeyError else 2  # a bounded retry stops at an error another try meets again
@@ -239,7 +239,7 @@ async def test_restart_resumes_from_the_persisted_state_without_an_anchor(
     assert_serving(restarted, 7)
     result = await restarted.sync()
     assert (result.path, result.step) == ("fast", 8)
-    patch8 = await restarted.chain.manifest(8, "patch")
+    patch8 = await restarted.stores.chain.manifest(8, "patch")
     assert result.bytes_downloaded < 4 * patch8.sizes.wire_bytes  # manifests + one patch, no anchor
     assert_serving(restarted, 8)
     # A damaged cache is discarded: the next start takes the slow path.

@@ -160,7 +160,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
             other = VLLMSink(VLLMSinkConfig(url=url, update_dir=updates, engine_api="weight_transfer"))
             proxy.seen.clear()
             with pytest.raises(EngineError, match=r"launched with --worker-extension-cls .* set engine_api: worker_"):
-                await other.deliver(Update(7, dict(sub.state or {}), published[7], sub.files, None))
+                await other.deliver(Update(7, dict(sub.state or {}), published[7], sub.served.files, None))
             assert proxy.calls() == ["/server_info"]
             assert await greedy_logprobs(url) == at_step_7
 

@@ -67,7 +67,7 @@ async def test_a_deleted_payload_is_waited_for_once_and_the_next_intact_step_is_
         took = time.monotonic() - committed
         assert took <= POLL + WAIT + DELIVERY, f"step 6 served {took:.1f} s after its commit"
         assert_serving(sub, 6)
-        assert "anchor" in (await sub.chain.ready())[6]
+        assert "anchor" in (await sub.stores.chain.ready())[6]
     finally:
         stop.set()
         await sub.task  # type: ignore[attr-defined]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from pathlib import Path
 
 from pulsesync import metrics, state_cache
 from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import LocalWriteError
 from pulsesync.protocol.manifest import PatchManifest
+from pulsesync.subscriber.held import HeldState
+from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -26,10 +27,10 @@ log = logging.getLogger("pulsesync.subscriber")
 class CacheWriter:
     """What cache_dir holds of the served state, and what it still lacks."""
 
-    def __init__(self, cache_dir: Path, journal_ratio: float, lock: threading.Lock) -> None:
+    def __init__(self, cache_dir: Path, journal_ratio: float, held: HeldState) -> None:
         self.cache_dir = cache_dir
         self.journal_ratio = journal_ratio
-        self.lock = lock  # the held state's: it is not patched while it is written out
+        self.held = held  # read whole while a base is written: it is not patched meanwhile
         self.unsaved = False  # the served state is not in cache_dir yet (the last save failed)
         self.bytes_written = 0
         # Patches applied since the state in cache_dir, to journal; None: the whole state must be written.
@@ -48,7 +49,7 @@ class CacheWriter:
         self._journal = None if patches is None or self._journal is None else [*self._journal, *patches]
 
     async def wait(self) -> None:
-        """Wait for a compaction to finish (it holds the state lock); a failed one is retried at the next save."""
+        """Wait for a compaction to finish (it reads the held state); a failed one is retried at the next save."""
         if self._compacting is not None:
             try:
                 await self._compacting
@@ -61,7 +62,7 @@ class CacheWriter:
         """Persist the served state: journal the patches since the cached state, or write it as the new base.
 
         A new base (cold start, slow path) is written before this returns; a compaction in the
-        background, holding the state lock until it is written.
+        background, reading the held state until it is written.
         """
         journal = self._journal
         held = dense_bytes(served.state)
@@ -78,24 +79,22 @@ class CacheWriter:
                     journal.pop(0)
                 self.unsaved = False
                 return
-        self.lock.acquire()  # not patched while it is written out; released by the thread
         self.unsaved, background, self._journal = False, journal is not None, []
+        if not background:
+            await self._write_base(served, marker, held)
+            return
+        self._compacting = asyncio.ensure_future(self._write_base(served, marker, held))
 
-        def write_base() -> None:
+    async def _write_base(self, served: VerifiedState, marker: bytes | None, held: int) -> None:
+        """Write the served state as the new base, holding it (not patched while it is written out)."""
+        async with self.held.reading():
             try:
                 self._journal_bytes = 0  # save() clears the journal first
-                state_cache.save(self.cache_dir, served, marker)
+                await in_thread_to_completion(state_cache.save, self.cache_dir, served, marker)  # the lease outlasts it
                 self._count("base", held)
             except LocalWriteError:
                 self.unsaved, self._journal = True, None
                 raise
-            finally:
-                self.lock.release()
-
-        if not background:
-            await asyncio.to_thread(write_base)
-            return
-        self._compacting = asyncio.ensure_future(asyncio.to_thread(write_base))
 
     def _count(self, kind: str, written: int) -> None:
         self.bytes_written += written

@@ -29,9 +29,12 @@ from pulsesync.errors import (
     UnknownKeyError,
 )
 from pulsesync.subscriber.config import SubscriberConfig
+from pulsesync.subscriber.fleet import FleetReporter
 from pulsesync.subscriber.paths import SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
 from pulsesync.subscriber.status import SubscriberStatus
+from pulsesync.subscriber.stores import StoreList
+from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
 
@@ -42,12 +45,14 @@ class Follower(Protocol):
     config: SubscriberConfig
     status: SubscriberStatus
     poll: PointerPoll | None
+    fleet: FleetReporter | None
+    stores: StoreList
 
     @property
     def step(self) -> int: ...
 
     @property
-    def serving(self) -> bool: ...
+    def served(self) -> VerifiedState | None: ...
 
     async def start(self) -> None: ...
 
@@ -58,8 +63,6 @@ class Follower(Protocol):
     async def scrub(self) -> list[str]: ...
 
     def healthy(self) -> tuple[bool, dict[str, Any]]: ...
-
-    async def report(self, path: SyncPath | None) -> None: ...
 
 
 # What another try finds the same: a bounded retry (`--once`) stops at once; the daemon waits them out
@@ -114,6 +117,23 @@ def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | Non
     )
 
 
+async def sync_with_retries(follower: Follower, attempts: int) -> SyncResult:
+    """Sync, retrying failures with exponential backoff up to `attempts` tries."""
+    async for attempt in retrying(follower, attempts):
+        with attempt:
+            return await follower.sync()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def report(follower: Follower, path: SyncPath | None) -> None:
+    """The fleet status after a sync (`path`) or an idle poll (None), when fleet statuses are on."""
+    if follower.fleet is not None:
+        served = follower.served
+        digest = served.digest.root if served is not None else None
+        newest = max(follower.stores.read.chain.listed, default=follower.step)
+        await follower.fleet.report(path, follower.step, digest, newest)
+
+
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
@@ -148,17 +168,19 @@ async def run(follower: Follower, stop: asyncio.Event) -> None:
         )
     try:
         while not stop.is_set():
-            if follower.serving:
+            if follower.served is not None:
                 await _bring_back_engines(follower)
-            if follower.poll is not None and follower.serving and not await follower.poll.worth_listing():
-                await follower.report(None)
+            if follower.poll is not None and follower.served is not None and not await follower.poll.worth_listing():
+                await report(follower, None)
                 await _wait(stop, config.poll_seconds)  # the pointer did not change: nothing new
                 continue
             result = None
             try:
                 async for attempt in retrying(follower, None, stop):  # until a sync succeeds or stop is set
                     with attempt:
-                        if attempt.retry_state.attempt_number > 1 and follower.serving:  # a step that keeps failing
+                        if (
+                            attempt.retry_state.attempt_number > 1 and follower.served is not None
+                        ):  # a step that keeps failing
                             await _bring_back_engines(follower)
                         if not stop.is_set():
                             result = await follower.sync()
@@ -176,7 +198,7 @@ async def run(follower: Follower, stop: asyncio.Event) -> None:
                 log.info("%s", result.to_json())
             if follower.poll is not None:
                 follower.poll.listed()
-            await follower.report(result.path)  # best effort, after the health the sync earned
+            await report(follower, result.path)  # best effort, after the health the sync earned
             await _wait(stop, config.poll_seconds)
     finally:
         if scrubbing is not None:

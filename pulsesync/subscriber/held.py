@@ -1,43 +1,78 @@
 """The served state: the verified record the sinks took last, and what guards changing it.
 
-The fast and chain paths patch it in place, holding `lock` (a scrub or `apply_to` never reads it
-half patched); `version` is bumped whenever it is about to change, so a reader that let go of the
-lock knows to start over; `diverged` says a scrub found it differs from its digest.
+The fast and chain paths patch it in place inside `patching()`, which waits until no reader holds
+it; a reader (the scrub, the cache's base write, `apply_to`) holds it inside `reading()`, which
+waits while it is patched. Both are scopes on the event loop: a lease is given back by the
+function that took it, work in a thread runs while its coroutine holds the lease, and nothing
+ever blocks the loop to wait for one. `version` is bumped whenever the state is about to change,
+so a reader that let go knows to start over; `diverged` says a scrub found it differs from its
+digest.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
+from collections.abc import AsyncIterator
 
 import torch
 
 from pulsesync.errors import EngineError
+from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
 
 
 class HeldState:
-    """The verified state served now (None before the first), its lock, version and divergence."""
+    """The verified state served now (None before the first), its patch and read scopes, version and divergence."""
 
     def __init__(self) -> None:
         self.served: VerifiedState | None = None
-        self.lock = threading.Lock()  # held while the state is patched in place, written to the cache or read
         self.version = 0
         self.diverged: str | None = None  # why the state is not what its digest says: the next sync rebuilds it
+        self.patched = False  # a sync is changing the state in place
+        self._readers = 0
+        self._changed: asyncio.Condition | None = None  # made on the loop that first uses a scope
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def step(self) -> int:
         """The served step, -1 before the first."""
         return self.served.step if self.served is not None else -1
 
-    def begin_patch(self) -> None:
-        """Take the lock to patch the served state in place (released by `end_patch`)."""
-        self.lock.acquire()
-        self.version += 1
+    def _condition(self) -> asyncio.Condition:
+        loop = asyncio.get_running_loop()
+        if self._changed is None or self._loop is not loop:  # a scope is never open across two loops
+            self._changed, self._loop = asyncio.Condition(), loop
+        return self._changed
 
-    def end_patch(self) -> None:
-        """Release the lock `begin_patch` took."""
-        self.lock.release()
+    @contextlib.asynccontextmanager
+    async def patching(self) -> AsyncIterator[None]:
+        """The scope in which the served state may be changed in place: it waits until no reader holds it."""
+        changed = self._condition()
+        async with changed:
+            await changed.wait_for(lambda: self._readers == 0 and not self.patched)
+            self.patched = True
+            self.version += 1
+        try:
+            yield
+        finally:
+            async with changed:
+                self.patched = False
+                changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[None]:
+        """The scope in which the served state is read whole: it waits while a sync patches it."""
+        changed = self._condition()
+        async with changed:
+            await changed.wait_for(lambda: not self.patched)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with changed:
+                self._readers -= 1
+                changed.notify_all()
 
     def serve(self, verified: VerifiedState) -> None:
         """Serve this state from now on (it replaced or was patched from the one before)."""
@@ -52,16 +87,19 @@ class HeldState:
         thread (where waiting would deadlock) it raises EngineError instead.
         """
         try:
-            asyncio.get_running_loop()
-            on_loop = True
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
-            on_loop = False
-        if not self.lock.acquire(blocking=not on_loop):
-            raise EngineError(f"apply_to: step {self.step} is being patched; call it after sync() returns")
-        try:
-            self._copy_into(module)
-        finally:
-            self.lock.release()
+            running = None
+        loop = self._loop
+        if loop is None or running is loop or not loop.is_running():
+            if self.patched:
+                raise EngineError(f"apply_to: step {self.step} is being patched; call it after sync() returns")
+            return self._copy_into(module)
+        asyncio.run_coroutine_threadsafe(self._read_into(module), loop).result()
+
+    async def _read_into(self, module: torch.nn.Module) -> None:
+        async with self.reading():
+            await in_thread_to_completion(self._copy_into, module)
 
     def _copy_into(self, module: torch.nn.Module) -> None:
         served = self.served

@@ -69,17 +69,16 @@ class Staged(VerifiedState):
 async def incremental(chain: ChainClient, held: HeldState, target: int) -> Staged | None:
     """Fast or chain path: patches from the held step to target, or None when they do not connect.
 
-    Patches the held state in place, each patch under an undo log; on failure it is rolled back.
-    Returns with the held state's lock taken: the caller ends the patch once the sinks took the state.
+    Patches the held state in place (inside the caller's `held.patching()` scope), each patch
+    under an undo log; on failure it is rolled back before the error leaves.
     """
     served = held.served
-    assert served is not None
+    assert served is not None and held.patched
     walk, links = await chain.walk(target, lambda s: s <= served.step, newer_than=served.step)
     if not walk.complete or walk.end != served.step:
         return None  # a gap (pruned, or an anchor in place of a failed patch), or another chain
     path = SyncPath.FAST if len(links) == 1 else SyncPath.CHAIN
     staged = Staged(target, served.state, served.digest, served.files, path=path)
-    held.begin_patch()
     try:
         staged.digest, staged.history = await apply_chain(
             chain.fetcher,
@@ -92,7 +91,6 @@ async def incremental(chain: ChainClient, held: HeldState, target: int) -> Stage
         )
     except BaseException:
         staged.rollback()
-        held.end_patch()
         raise
     return staged
 

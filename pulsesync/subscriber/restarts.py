@@ -19,6 +19,7 @@ from pulsesync import metrics
 from pulsesync.errors import PulseSyncError
 from pulsesync.sinks import Sink, Update
 from pulsesync.sinks.directory import DirectorySink
+from pulsesync.subscriber.status import SubscriberStatus
 from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
@@ -29,9 +30,9 @@ class RestartWatch:
     """Asks each sink's engine what it holds and brings back the ones that lost the served state."""
 
     sinks: list[Sink]
+    status: SubscriberStatus  # its engine_restarts counts the engines found restarted since start
     silent: set[int] = field(default_factory=set)  # sinks (by index) whose engine did not answer at the last tick
     lost: set[int] = field(default_factory=set)  # sinks whose engine was found without the served state, not back yet
-    restarts: int = 0  # engines found restarted since start
     seconds: float = 0.0  # the last bring-back's deliveries, from the first to the last sink
 
     async def stale(self, served: VerifiedState) -> list[Sink]:
@@ -66,7 +67,7 @@ class RestartWatch:
                         "%s sink: its engine no longer holds step %d (restarted); sending it", sink.name, served.step
                     )
                     metrics.ENGINE_RESTARTS.labels(sink.name).inc()
-                    self.restarts += 1
+                    self.status.engine_restarts += 1
                     self.lost.add(i)
             elif not isinstance(sink, DirectorySink):
                 continue

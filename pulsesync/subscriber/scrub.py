@@ -9,19 +9,15 @@ the next sync rebuilds it from an anchor (the sinks then get the verified state 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from pulsesync import metrics
 from pulsesync.digest import TensorHasher
 from pulsesync.subscriber.held import HeldState
+from pulsesync.threads import in_thread_to_completion
 
 log = logging.getLogger("pulsesync.subscriber")
-
-
-class _Changed(Exception):
-    """The held state changed while a scrub was reading a tensor."""
 
 
 async def scrub(held: HeldState, bytes_per_second: float, piece_bytes: int = 64 << 20) -> list[str]:
@@ -37,8 +33,9 @@ async def scrub(held: HeldState, bytes_per_second: float, piece_bytes: int = 64 
         piece = max(piece_bytes // served.state[name].element_size(), 1)
         while hasher.hashed < hasher.flat.numel() and version == held.version:
             t0 = time.perf_counter()
-            with contextlib.suppress(_Changed):
-                await asyncio.to_thread(_hash_piece, held, hasher, piece, version)
+            async with held.reading():  # never while a sync patches the state
+                if version == held.version:
+                    await in_thread_to_completion(hasher.update, piece)  # the lease outlasts it
             await asyncio.sleep(max(piece_bytes / bytes_per_second - (time.perf_counter() - t0), 0.0))
         if version != held.version:
             continue  # patched meanwhile: scrubbed again next time
@@ -50,10 +47,3 @@ async def scrub(held: HeldState, bytes_per_second: float, piece_bytes: int = 64 
         held.diverged = f"scrub: the held tensors {bad[:5]} differ from the digest of step {held.step}"
         log.error("%s; the next sync rebuilds the state from an anchor", held.diverged)
     return bad
-
-
-def _hash_piece(held: HeldState, hasher: TensorHasher, elements: int, version: int) -> None:
-    with held.lock:  # never while a sync patches the state
-        if version != held.version:
-            raise _Changed
-        hasher.update(elements)
