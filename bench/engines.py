@@ -64,7 +64,7 @@ from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import VLLMSinkConfig
 from pulsesync.sinks.http import EngineClient
-from pulsesync.sinks.vllm import VLLMSink
+from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig

@@ -45,7 +45,7 @@ from pulsesync.retention import RetentionWorker
 from pulsesync.retention.policy import RetentionPolicy
 from pulsesync.sinks import Sink, Update
 from pulsesync.sinks.directory import DirectorySink, DirectorySinkConfig, recorded
-from pulsesync.sinks.vllm import VLLMSink, VLLMSinkConfig
+from pulsesync.sinks.vllm.sidecar.sink import VLLMSink, VLLMSinkConfig
 from pulsesync.store import RetryPolicy, S3Store
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig

@@ -177,3 +177,66 @@ def test_no_test_module_imports_another() -> None:
             elif isinstance(node, ast.Import):
                 importing += [(path.name, a.name) for a in node.names if a.name.startswith("tests.test_")]
     assert importing == []
+
+
+# What vLLM loads into its own processes may reach, besides itself and the wire: the foundations.
+ENGINE_SIDE_MAY_IMPORT = (
+    "pulsesync.sinks.vllm.engine",
+    "pulsesync.sinks.vllm.wire",
+    "pulsesync.errors",
+    "pulsesync.digest",
+)
+
+
+def test_the_vllm_engine_side_imports_only_the_wire_and_the_foundations() -> None:
+    """sinks/vllm/engine/ runs inside vLLM: no sidecar, subscriber or store code rides along."""
+    graph = _module_imports()
+    found = {
+        (module, imported)
+        for module, imports in graph.items()
+        if module.startswith("pulsesync.sinks.vllm.engine")
+        for imported in imports
+        if not imported.startswith(ENGINE_SIDE_MAY_IMPORT) and imported != "pulsesync.sinks.vllm"
+    }
+    assert sorted(found) == []
+
+
+def test_the_vllm_wire_imports_neither_side() -> None:
+    graph = _module_imports()
+    wire = {m: i for m, i in graph.items() if m.startswith("pulsesync.sinks.vllm.wire")}
+    assert wire and not [i for imports in wire.values() for i in imports if i.startswith("pulsesync.sinks.")]
+
+
+def _calls_in_async_functions() -> list[tuple[str, int, str]]:
+    """Where the package takes a lock in a way that can block: `.acquire()` neither awaited (an asyncio
+    primitive) nor with blocking=False, anywhere; `with` on a lock or condition inside an `async def`."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        awaited = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Await)}
+        for node in ast.walk(tree):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and id(node) not in awaited
+            if (
+                call
+                and isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "acquire"
+            ):
+                nonblocking = any(k.arg == "blocking" for k in node.keywords) or (
+                    node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False
+                )
+                if not nonblocking:
+                    found.append((str(path.relative_to(PACKAGE)), node.lineno, "acquire()"))
+            if isinstance(node, ast.AsyncFunctionDef):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.With):
+                        for item in inner.items:
+                            held = ast.unparse(item.context_expr)
+                            if held.lower().endswith(("lock", "lock()", "_guard", "condition")):
+                                found.append((str(path.relative_to(PACKAGE)), inner.lineno, f"with {held}"))
+    return found
+
+
+def test_no_blocking_lock_acquire_on_the_event_loop() -> None:
+    """A lock a thread may hold for long is never waited for on the loop (held.py: scopes, not locks)."""
+    assert _calls_in_async_functions() == []

@@ -25,8 +25,8 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.rebuild import reconstruct
-from pulsesync.sinks.vllm_applier import WeightApplier
-from pulsesync.sinks.weight_update import build_update
+from pulsesync.sinks.vllm.engine.applier import WeightApplier
+from pulsesync.sinks.vllm.wire.update_file import build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig

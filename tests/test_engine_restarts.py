@@ -22,8 +22,8 @@ from pulsesync.protocol import signing
 from pulsesync.publisher import AsyncPublisher, PublisherConfig
 from pulsesync.sinks import DirectorySinkConfig, VLLMSinkConfig
 from pulsesync.sinks.directory import DirectorySink
-from pulsesync.sinks.vllm import VLLMSink
-from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from tests.support.helpers import trainer_states

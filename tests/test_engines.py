@@ -30,8 +30,9 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.sinks import CommandSinkConfig, DirectorySink, DirectorySinkConfig, SGLangSinkConfig
 from pulsesync.sinks.base import Update
 from pulsesync.sinks.directory import recorded
-from pulsesync.sinks.vllm_applier import LiveRebuilder, WeightApplier
-from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
+from pulsesync.sinks.vllm.engine.applier import WeightApplier
+from pulsesync.sinks.vllm.engine.twins import LiveRebuilder
+from pulsesync.sinks.vllm.wire.update_file import Region, WeightUpdate, build_update
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig

@@ -625,7 +625,7 @@ async def test_odd_vllm_replies_are_engine_errors(
     from aiohttp import web
 
     from pulsesync.errors import EngineError
-    from pulsesync.sinks.vllm import VLLMSink, VLLMSinkConfig
+    from pulsesync.sinks.vllm.sidecar.sink import VLLMSink, VLLMSinkConfig
 
     extension = any(k in replies for k in ("/collective_rpc", "/is_sleeping", "layout"))
     updates = tmp_path / "u"

@@ -22,8 +22,8 @@ from pulsesync.digest import state_digest
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Update
 from pulsesync.sinks.config import VLLMLoRASinkConfig
-from pulsesync.sinks.vllm_lora import VLLMLoRASink
-from pulsesync.sinks.weight_version import HeldPolicy, adapter_dir_name, parse_adapter_dir
+from pulsesync.sinks.vllm.sidecar.lora import VLLMLoRASink
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, adapter_dir_name, parse_adapter_dir
 from tests.support.servers import free_port
 
 CONFIG = {"adapter_config.json": json.dumps({"r": 4, "target_modules": ["q_proj"]}).encode()}

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from pulsesync.sinks.vllm_applier import WeightApplier
-from pulsesync.sinks.vllm_layout import engine_layout, expert_map
-from pulsesync.sinks.weight_update import WeightUpdate
+from pulsesync.sinks.vllm.engine.applier import WeightApplier
+from pulsesync.sinks.vllm.engine.layout import engine_layout, expert_map
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
 from tests.support.vllm_engine import VLLM_PYTHON
 
 EXPERTS, HIDDEN, INTERMEDIATE = 8, 6, 4

@@ -28,7 +28,7 @@ from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.sinks.config import VLLMLoRASinkConfig
 from pulsesync.sinks.http import EngineClient
-from pulsesync.sinks.vllm_lora import adapter_version
+from pulsesync.sinks.vllm.sidecar.lora import adapter_version
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig

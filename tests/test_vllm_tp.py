@@ -32,7 +32,7 @@ from pulsesync.errors import EngineError
 from pulsesync.protocol import signing
 from pulsesync.protocol.chain import ChainClient
 from pulsesync.sinks import DirectorySinkConfig, VLLMSinkConfig
-from pulsesync.sinks.vllm import VLLMSink
+from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig

@@ -20,12 +20,12 @@ from pulsesync.digest import state_digest
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Update
 from pulsesync.sinks.config import VLLMSinkConfig
-from pulsesync.sinks.transfer_worker import TransferInit, TransferStep, TransferWorker
-from pulsesync.sinks.vllm import VLLMSink
-from pulsesync.sinks.vllm_applier import Drill, WeightApplier
-from pulsesync.sinks.vllm_sessions import EngineSession, Serving, TransferSession, TransferVerbs
-from pulsesync.sinks.weight_update import WeightUpdate
-from pulsesync.sinks.weight_version import HeldPolicy, parse_version
+from pulsesync.sinks.vllm.engine.applier import Drill, WeightApplier
+from pulsesync.sinks.vllm.engine.transfer_worker import TransferInit, TransferStep, TransferWorker
+from pulsesync.sinks.vllm.sidecar.sessions import EngineSession, Serving, TransferSession, TransferVerbs
+from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, parse_version
 from tests.support.helpers import copying_loader
 
 

@@ -30,10 +30,9 @@ from typing import Any
 
 from pulsesync.errors import EngineError, PolicyLagError
 from pulsesync.metrics import ROLLOUT_LAG_WAIT_SECONDS, ROLLOUT_POLICY_LAG, ROLLOUT_RETRIES
-from pulsesync.sinks.http import EngineClient, reply_field
-from pulsesync.sinks.vllm_lora import adapter_version
-from pulsesync.sinks.vllm_sessions import weight_version
-from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.sinks.http import EngineClient, reply_field, weight_version
+from pulsesync.sinks.vllm.sidecar.lora import adapter_version
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy
 
 log = logging.getLogger("pulsesync.rollout")
 

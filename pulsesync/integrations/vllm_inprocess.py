@@ -27,9 +27,9 @@ from typing import Any
 
 from pulsesync.sinks import build_sinks
 from pulsesync.sinks.config import VLLMSinkConfig
-from pulsesync.sinks.vllm import VLLMSink
-from pulsesync.sinks.vllm_sessions import EngineSession, Serving, TransferSession, TransferVerbs
-from pulsesync.sinks.weight_version import HeldPolicy, parse_version
+from pulsesync.sinks.vllm.sidecar.sessions import EngineSession, Serving, TransferSession, TransferVerbs
+from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, parse_version
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.subscriber.paths import SyncResult

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from pulsesync.codec.changes import Changes
 from pulsesync.digest import StateDigest
@@ -26,6 +28,12 @@ class Sink(ABC):
     """Delivers verified states somewhere; raises EngineError (or another PulseSyncError) on failure."""
 
     name: str
+    writes_first: ClassVar[bool] = False  # writes what other sinks read (a directory): built and run before them
+
+    @classmethod
+    def build(cls, config: Any, pinned: Callable[[], set[Path]]) -> Sink:
+        """The sink of a config (`sinks.SINKS`); `pinned` answers which directories every sink's engine reads."""
+        return cls(config)  # type: ignore[call-arg]  # every sink in SINKS is made from its config
 
     @abstractmethod
     async def deliver(self, update: Update) -> None:

@@ -55,7 +55,7 @@ class VLLMSinkConfig(BaseModel):
         description="auto: the path the server was launched with, read from its GET /server_info; "
         "weight_transfer: vLLM 0.32+ started with --weight-transfer-config "
         '\'{"backend": "pulsesync"}\'; worker_extension: started with --worker-extension-cls '
-        "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension. A setting the server was not launched with "
+        "pulsesync.sinks.vllm.engine.extension.PulseSyncWorkerExtension. A setting the server was not launched with "
         "stops the delivery before any call that could fail inside vLLM, naming the fix",
     )
     update_dir: Path = Field(

@@ -14,6 +14,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pulsesync.atomic_files import publish_dir, replace_symlink
 from pulsesync.model_dir import write_model_dir
@@ -34,6 +35,13 @@ class DirectorySink(Sink):
     """Writes each verified state as a loadable HF model directory."""
 
     name = "directory"
+
+    writes_first = True  # engine sinks (SGLang's) load the directory it writes
+
+    @classmethod
+    def build(cls, config: Any, pinned: Callable[[], set[Path]]) -> Sink:
+        """A directory sink that never prunes what another sink's engine reads."""
+        return cls(config, pinned)
 
     def __init__(self, config: DirectorySinkConfig, pinned: Callable[[], set[Path]] = set) -> None:
         self.config = config

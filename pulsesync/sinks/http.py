@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from pulsesync.errors import EngineError
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, parse_version
 
 T = TypeVar("T")
 
@@ -82,3 +83,8 @@ async def paused(
             await engine.post(resume, {})
         raise
     await engine.post(resume, {})
+
+
+async def weight_version(engine: EngineClient) -> HeldPolicy | None:
+    """What `GET /weight_info` names, when it is a pulsesync version (another writer's string: unknown)."""
+    return parse_version((await engine.get("/weight_info") or {}).get("weight_version"))

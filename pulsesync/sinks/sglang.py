@@ -20,7 +20,7 @@ from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.config import SGLangSinkConfig
 from pulsesync.sinks.http import EngineClient, paused
-from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy
 from pulsesync.verified import VerifiedState
 
 

@@ -102,7 +102,7 @@ def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -
     if layout == "moe":
         from transformers.core_model_loading import revert_weight_conversion
 
-        from pulsesync.sinks.vllm_layout import expert_map
+        from pulsesync.sinks.vllm.engine.layout import expert_map
 
         experts = model.config.num_experts
         owner = {e: r for r in range(world) for e, local in enumerate(expert_map(experts, world, r)) if local >= 0}

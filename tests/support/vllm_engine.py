@@ -27,14 +27,14 @@ import torch
 from aiohttp import web
 
 from pulsesync.digest import state_digest
-from pulsesync.sinks.http import EngineClient
-from pulsesync.sinks.vllm_sessions import HTTPVerbs, TransferSession, weight_version
-from pulsesync.sinks.weight_update import Region, part_of
+from pulsesync.sinks.http import EngineClient, weight_version
+from pulsesync.sinks.vllm.sidecar.sessions import HTTPVerbs, TransferSession
+from pulsesync.sinks.vllm.wire.update_file import Region, part_of
 from pulsesync.subscriber import Subscriber
 from tests.support.servers import free_port
 
 VLLM_PYTHON = os.environ.get("PULSESYNC_VLLM_PYTHON")
-EXTENSION = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
+EXTENSION = "pulsesync.sinks.vllm.engine.extension.PulseSyncWorkerExtension"
 ENGINE_ARGS = {
     "worker_extension": ["--worker-extension-cls", EXTENSION],
     "weight_transfer": ["--weight-transfer-config", json.dumps({"backend": "pulsesync"})],

@@ -26,9 +26,9 @@ from aiohttp import web
 from safetensors import safe_open
 
 from pulsesync.digest import state_digest
-from pulsesync.sinks.transfer_worker import TransferInit, TransferStep, TransferWorker
-from pulsesync.sinks.vllm_applier import WeightApplier
-from pulsesync.sinks.weight_update import WeightUpdate
+from pulsesync.sinks.vllm.engine.applier import WeightApplier
+from pulsesync.sinks.vllm.engine.transfer_worker import TransferInit, TransferStep, TransferWorker
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
 from tests.support.helpers import copying_loader
 
 
@@ -119,7 +119,9 @@ class VLLMStandIn:
     async def _server_info(self, request: web.Request) -> web.Response:
         config = {
             "weight_transfer_config": {"backend": "pulsesync"},
-            "parallel_config": {"worker_extension_cls": "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"},
+            "parallel_config": {
+                "worker_extension_cls": "pulsesync.sinks.vllm.engine.extension.PulseSyncWorkerExtension"
+            },
         }
         return web.json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from pulsesync.errors import EngineError
-from pulsesync.sinks.http import EngineClient, paused, reply_field
-from pulsesync.sinks.transfer_replies import read_replies
-from pulsesync.sinks.weight_version import HeldPolicy, parse_version
+from pulsesync.sinks.http import EngineClient, paused, reply_field, weight_version
+from pulsesync.sinks.vllm.wire.replies import read_replies
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, parse_version
 
-EXTENSION_CLS = "pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension"
+EXTENSION_CLS = "pulsesync.sinks.vllm.engine.extension.PulseSyncWorkerExtension"
 BACKEND = "pulsesync"
 LAUNCH_FLAGS = {
     "weight_transfer": f'--weight-transfer-config \'{{"backend": "{BACKEND}"}}\'',
@@ -177,11 +177,6 @@ async def choose_api(engine: EngineClient, configured: str) -> str:
     )
 
 
-async def weight_version(engine: EngineClient) -> HeldPolicy | None:
-    """What `GET /weight_info` names, when it is a pulsesync version (another writer's string: unknown)."""
-    return parse_version((await engine.get("/weight_info") or {}).get("weight_version"))
-
-
 class ExtensionSession(EngineSession):
     """The worker extension (`--worker-extension-cls`), through `POST /collective_rpc`."""
 
@@ -257,7 +252,7 @@ class HTTPVerbs(TransferVerbs):
 
 
 class TransferSession(EngineSession):
-    """pulsesync's weight-transfer backend (`vllm_backend`) through vLLM's own verbs; replies come as files."""
+    """pulsesync's weight-transfer backend (`engine.backend`) through vLLM's own verbs; replies come as files."""
 
     def __init__(self, verbs: TransferVerbs, directory: Path, options: dict[str, Any] | None = None) -> None:
         self.verbs, self.directory, self.where = verbs, directory, f"vllm sink: {verbs.where}"

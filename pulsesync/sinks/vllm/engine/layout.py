@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from pulsesync.sinks.weight_update import Region
+from pulsesync.sinks.vllm.wire.update_file import Region
 
 _PLAIN_QUANT_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
 _FUSED_KINDS = {"MergedColumnParallelLinear", "QKVParallelLinear"}

@@ -1,7 +1,7 @@
 """The engine side of the vllm sink: apply update files to one vLLM worker's model, transactionally.
 
 Both engine paths run this inside every vLLM worker: the weight-transfer backend
-(`vllm_backend`, vLLM's native API) and the worker extension (`vllm_worker`). Each worker
+(`engine.backend`, vLLM's native API) and the worker extension (`engine.extension`). Each worker
 records the step and state digest it holds, so the sidecar sends a delta only to an engine that
 provably holds its base.
 
@@ -16,12 +16,11 @@ another rank's failed: a worker never serves half an update. `commit` makes the 
 held one.
 
 Where each checkpoint tensor lives on this worker, and which part of it under tensor parallelism,
-is `vllm_layout`. A module takes in-place writes only when its parameters are plain, contiguous
+is `engine.layout`. A module takes in-place writes only when its parameters are plain, contiguous
 and unprocessed, and a full load through vLLM's loader left exactly the checkpoint's bits in
 them. Every other module (on CPU: every linear layer and the embedding, repacked for oneDNN)
-is rebuilt from this worker's copy of its part of the checkpoint tensors: the parameters are
-recreated in model format from vLLM's reload metadata, filled, and post-processed again, as
-vLLM's own layerwise reload does, so a sparse update stays sparse and each rank keeps only its share.
+is rebuilt from this worker's copy of its part of the checkpoint tensors, on a twin
+(`engine.twins`), so a sparse update stays sparse and each rank keeps only its share.
 Full updates go through vLLM's `reload_weights`, which shards whole checkpoint tensors itself.
 A full update ends by rehearsing the first delta's work (`_rehearse`): the shadow copied into memory
 of its own (not pages of the update file) and the rebuilt modules prepared on twins that are
@@ -30,126 +29,41 @@ dropped (not in MoE models), so that the first delta after a start costs what th
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from pulsesync.errors import EngineError
-from pulsesync.sinks.vllm_layout import (
+from pulsesync.sinks.vllm.engine.layout import (
     EngineLayout,
-    ModelParams,
     Slot,
-    UnknownLayout,
     engine_layout,
-    live_params,
     rows,
 )
-from pulsesync.sinks.weight_update import WeightUpdate
+from pulsesync.sinks.vllm.engine.twins import (
+    LiveRebuilder,
+    Rebuilder,
+    VLLMRebuilder,
+    experts_kernel,
+    install,
+    process,
+    rebuild,
+    same_bits,
+)
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
 
 log = logging.getLogger("pulsesync.vllm_applier")
-
-
-class Rebuilder(Protocol):
-    """How an engine recreates a post-processed module from model-format tensors, on a twin of it."""
-
-    def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The module's parameters as created, before post-load processing (maybe meta tensors)."""
-        ...
-
-    def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-        """A twin of the module holding these model-format values, post-processed; the module is untouched."""
-        ...
-
-    def finish(self, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> None:
-        """Complete what the engine's post-load processing leaves undone when it runs a second time."""
-        ...
-
-
-class LiveRebuilder:
-    """For engines without vLLM's reload metadata: set the parameters, then run the module's processing."""
-
-    model_params: ModelParams = staticmethod(live_params)
-
-    def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-        """A twin of the module holding these model-format values, post-processed; the module is untouched."""
-        twin = _twin(module)
-        for pname, tensor in tensors.items():
-            old = getattr(module, pname)
-            value = tensor.to(old.device, old.dtype).clone(memory_format=torch.contiguous_format)
-            twin._parameters[pname] = torch.nn.Parameter(value, requires_grad=False)
-        _process(twin)
-        return twin
-
-    def finish(self, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> None:
-        """Nothing: the module's processing is all there is."""
-
-
-_MODULE_STORES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-
-
-def _twin(module: torch.nn.Module) -> torch.nn.Module:
-    """A shallow copy with its own parameter and buffer tables: processing it leaves the module as it was."""
-    twin = copy.copy(module)
-    twin._parameters = dict(module._parameters)
-    twin._buffers = dict(module._buffers)
-    twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    return twin
-
-
-def install(module: torch.nn.Module, twin: torch.nn.Module) -> None:
-    """Make the module compute as its prepared twin: the engine's own writes, no processing.
-
-    Tensors of the same shape and dtype are copied into the module's own (the storage the
-    forward pass, and any captured graph, holds); other tensors and the processing's other
-    state (on vLLM's CPU build the packed `cpu_linear` kernel) are taken from the twin.
-    """
-    for store in ("_parameters", "_buffers"):
-        own, new = getattr(module, store), getattr(twin, store)
-        for name, tensor in new.items():
-            mine = own.get(name)
-            same_kind = mine is not None and tensor is not None and mine.shape == tensor.shape
-            if same_kind and mine.dtype == tensor.dtype and mine.device == tensor.device:
-                if mine is not tensor:
-                    mine.data.copy_(tensor.data)
-            else:
-                own[name] = tensor
-        for name in set(own) - set(new):
-            del own[name]
-    module._non_persistent_buffers_set = set(twin._non_persistent_buffers_set)
-    state = module.__dict__
-    for key in set(state) - set(twin.__dict__) - set(_MODULE_STORES):
-        del state[key]
-    for key, value in twin.__dict__.items():
-        if key not in _MODULE_STORES and state.get(key) is not value:
-            state[key] = value
-
-
-def rebuild(rebuilder: Rebuilder, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Give the module these model-format values and redo its post-load processing."""
-    install(module, rebuilder.prepare(module, tensors))
-
-
-def _process(module: torch.nn.Module) -> None:
-    process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
-    if callable(process):
-        process(module)
 
 
 def _view(params: Mapping[str, torch.Tensor], slot: Slot) -> torch.Tensor:
     shape = slot.local_shape
     return rows(params[slot.param].data).narrow(0, slot.row_offset, shape[0]).view(shape)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    b = b.to(a.device)  # engine parameters live on the GPU, update tensors on the host
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @dataclass
@@ -387,7 +301,7 @@ class WeightApplier:
         shares with the live layer, and no MoE engine test passes here to prove a dropped one harmless
         (tests/test_vllm_moe.py fails on this machine without the rehearsal too).
         """
-        if any(_experts_kernel(module) is not None for module in self.model.modules()):
+        if any(experts_kernel(module) is not None for module in self.model.modules()):
             return  # a MoE model: its twins share the experts kernel; left as it was until a MoE test proves it safe
         modules = sorted({self.layout.slots[name].module for name in self.shadow})
         self.shadow = {name: tensor.clone() for name, tensor in self.shadow.items()}
@@ -483,7 +397,7 @@ class WeightApplier:
                     return _original(layer)
                 parts = {n: self.layout.slots[n].take(state[n]) for n in self.layout.modules[name]}
                 expected = self._model_format(name, parts)
-                if not all(_same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
+                if not all(same_bits(getattr(layer, p).data, t) for p, t in expected.items()):
                     misplaced.add(name)
                 result = _original(layer)
                 self.rebuilder.finish(layer, expected)
@@ -512,7 +426,7 @@ class WeightApplier:
         """
         for alias, name in self.layout.aliases.items():
             if name in changed:
-                _process(self.model.get_submodule(self.layout.alias_modules[alias]))
+                process(self.model.get_submodule(self.layout.alias_modules[alias]))
 
     def _write(self, target: torch.Tensor | None, update: WeightUpdate, name: str, journal: Journal) -> None:
         if name in update.whole:
@@ -540,7 +454,7 @@ class WeightApplier:
         slots = self.layout.slots
         for module, names in self.layout.modules.items():
             if module in self.layout.in_place and not all(
-                _same_bits(_view(params, slots[n]), slots[n].take(state[n]).to(params[slots[n].param].dtype))
+                same_bits(_view(params, slots[n]), slots[n].take(state[n]).to(params[slots[n].param].dtype))
                 for n in names
             ):
                 log.warning("%s: vLLM changed its weights after loading; rebuilding it on updates", module)
@@ -555,63 +469,6 @@ class WeightApplier:
             for n, s in self.layout.slots.items()
         }
         return state | {alias: state[name] for alias, name in self.layout.aliases.items() if name in state}
-
-
-class VLLMRebuilder:
-    """Rebuilds a module as vLLM's layerwise reload does (vllm/model_executor/model_loader/reload, 0.32).
-
-    On a twin of the module: the parameters are recreated in model format from the metadata vLLM
-    recorded at load time, filled and post-processed (`process_weights_after_loading`); `install`
-    then copies the results into the kernel tensors the forward pass holds.
-    """
-
-    def model_params(self, name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The module's parameters as created, before post-load processing (meta tensors with vLLM's attributes)."""
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-        params, buffers = get_layerwise_info(module).restore_metadata
-        if buffers:
-            raise UnknownLayout(f"{name} has buffers that its post-load processing may derive")
-        live: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
-        return live | dict(params)
-
-    def prepare(self, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-        """A twin of the module, recreated in model format from vLLM's metadata, filled, post-processed."""
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-        from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
-
-        info = get_layerwise_info(module)
-        twin = _twin(module)
-        restore_layer_on_meta(twin, info)
-        materialize_layer(twin, info)
-        if "_already_called_process_weights_after_loading" in twin.__dict__:
-            del twin.__dict__["_already_called_process_weights_after_loading"]
-        for pname, tensor in tensors.items():
-            getattr(twin, pname).data.copy_(tensor)
-        _process(twin)
-        self.finish(twin, tensors)
-        return twin
-
-    def finish(self, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> None:
-        """Prepack a CPU MoE layer's experts when vLLM's processing left them as loaded.
-
-        vLLM 0.32 runs the experts kernel's own processing (on CPU, `cpu_prepack_moe_weight` into
-        the grouped-GEMM layout) only the first time a MoE layer is processed
-        (`UnquantizedFusedMoEMethod._setup_kernel`, `is_weight_update`), so on a reload the CPU
-        kernel would compute from unpacked weights. Weights still bit-equal to what was loaded were
-        not packed (packing data that it leaves unchanged again leaves it unchanged).
-        """
-        experts = _experts_kernel(module)
-        if experts is None or type(experts).__name__ != "CPUUnquantizedExperts" or "w13_weight" not in loaded:
-            return
-        held = getattr(module, "w13_weight", None)
-        if held is not None and _same_bits(held.data, loaded["w13_weight"]):
-            experts.process_weights_after_loading(module)
-
-
-def _experts_kernel(module: torch.nn.Module) -> Any:
-    """A MoE layer's fused-experts kernel (shared with the layer's twins, which are shallow copies); None elsewhere."""
-    return getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
 
 
 def vllm_applier(model: torch.nn.Module, vllm_config: Any, rank: int, reload: Any = None) -> WeightApplier:

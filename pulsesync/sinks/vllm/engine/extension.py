@@ -1,7 +1,7 @@
 """The worker-extension engine path: pulsesync's methods inside every vLLM worker, called through collective_rpc.
 
-For engines started with `--worker-extension-cls pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension`
-(any vLLM from 0.10; the weight-transfer backend in `vllm_backend` is the path from 0.32). The
+For engines started with `--worker-extension-cls pulsesync.sinks.vllm.engine.extension.PulseSyncWorkerExtension`
+(any vLLM from 0.10; the weight-transfer backend in `engine.backend` is the path from 0.32). The
 sidecar calls the `pulsesync_*` methods through `POST /collective_rpc`; each apply is committed
 at once (the extension has no session to span ranks), and a failure restores the bits held before.
 """
@@ -14,8 +14,8 @@ from safetensors import safe_open
 
 from pulsesync.digest import state_digest
 from pulsesync.digest_algorithms import DEFAULT_ALGORITHM, DigestAlgorithm
-from pulsesync.sinks.vllm_applier import WeightApplier, vllm_applier
-from pulsesync.sinks.weight_update import WeightUpdate
+from pulsesync.sinks.vllm.engine.applier import WeightApplier, vllm_applier
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
 
 
 class PulseSyncWorkerExtension:

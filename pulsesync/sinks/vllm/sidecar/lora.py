@@ -29,8 +29,8 @@ from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.config import VLLMLoRASinkConfig
 from pulsesync.sinks.http import EngineClient, reply_field
-from pulsesync.sinks.vllm_sessions import HTTPServing
-from pulsesync.sinks.weight_version import HeldPolicy, adapter_dir_name, parse_adapter_dir
+from pulsesync.sinks.vllm.sidecar.sessions import HTTPServing
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, adapter_dir_name, parse_adapter_dir
 from pulsesync.threads import in_thread_to_completion
 from pulsesync.verified import VerifiedState
 

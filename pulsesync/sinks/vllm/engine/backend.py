@@ -1,6 +1,6 @@
 """pulsesync as a vLLM weight-transfer backend (vLLM 0.32+): `--weight-transfer-config '{"backend": "pulsesync"}'`.
 
-Registered in every vLLM process by the `vllm.general_plugins` entry point (`vllm_plugin`); no
+Registered in every vLLM process by the `vllm.general_plugins` entry point (`engine.plugin`); no
 worker extension. vLLM creates one engine per worker once the model is loaded; each hands the
 verbs to a `TransferWorker` (the session, the transactional applies, the reply files).
 """
@@ -12,8 +12,8 @@ from typing import Any
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from pulsesync.sinks.transfer_worker import TransferInit, TransferStep, TransferWorker
-from pulsesync.sinks.vllm_applier import vllm_applier
+from pulsesync.sinks.vllm.engine.applier import vllm_applier
+from pulsesync.sinks.vllm.engine.transfer_worker import TransferInit, TransferStep, TransferWorker
 
 
 class PulseSyncTransferEngine(WeightTransferEngine):  # type: ignore[misc]  # vLLM is not typed for mypy here

@@ -1,4 +1,4 @@
-"""pulsesync's side of vLLM's weight-transfer verbs on one engine rank (no vLLM import: `vllm_backend` adapts it).
+"""pulsesync's side of vLLM's weight-transfer verbs on one engine rank (no vLLM import: `engine.backend` adapts it).
 
 The sidecar (the vllm sink, or the in-process API) drives vLLM's own verbs:
 
@@ -11,7 +11,7 @@ The sidecar (the vllm sink, or the in-process API) drives vLLM's own verbs:
 - `finish_weight_update`: anything applied but not committed is rolled back, so a session that
   failed on any rank ends with every rank holding the previous state's exact bits.
 
-No verb raises (see `transfer_replies`): each writes this rank's reply file instead.
+No verb raises (see `wire.replies`): each writes this rank's reply file instead.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, Literal
 from safetensors import safe_open
 
 from pulsesync.digest import state_digest
-from pulsesync.sinks.transfer_replies import check_session, write_reply
-from pulsesync.sinks.vllm_applier import WeightApplier
-from pulsesync.sinks.weight_update import WeightUpdate
+from pulsesync.sinks.vllm.engine.applier import WeightApplier
+from pulsesync.sinks.vllm.wire.replies import check_session, write_reply
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TransferWorker:
             else:
                 self.applier.rollback()
                 self._reply("rollback", {})
-        except Exception as e:  # reported, never raised (transfer_replies); the applier restored its bits
+        except Exception as e:  # reported, never raised (wire.replies); the applier restored its bits
             self._reply(step.action, {"error": f"{type(e).__name__}: {e}"[:2000], "where": _where(e)})
 
     def _stage(self, path: str | None) -> None:

@@ -1,7 +1,7 @@
 """The `vllm.general_plugins` entry point: registers the `pulsesync` weight-transfer backend in each vLLM process.
 
 vLLM calls `register()` in its API server, its engine process and every worker. The backend
-module (`vllm_backend`) loads only when an engine is created with
+module (`backend`) loads only when an engine is created with
 `--weight-transfer-config '{"backend": "pulsesync"}'`; importing this module needs no vLLM.
 """
 
@@ -15,4 +15,6 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "pulsesync.sinks.vllm_backend", "PulseSyncTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "pulsesync.sinks.vllm.engine.backend", "PulseSyncTransferEngine"
+        )

@@ -7,12 +7,13 @@ Engine side (docs/engines.md), either path:
           --weight-transfer-config '{"backend": "pulsesync"}'
   (`engine_api: weight_transfer`; an in-process `vllm.LLM` takes the same backend through
   `integrations.vllm_inprocess`);
-- any vLLM with `collective_rpc`: `--worker-extension-cls pulsesync.sinks.vllm_worker.PulseSyncWorkerExtension`
+- any vLLM with `collective_rpc`:
+  `--worker-extension-cls pulsesync.sinks.vllm.engine.extension.PulseSyncWorkerExtension`
   (`engine_api: worker_extension`).
 
-`engine_api: auto` (the default) takes the path the server was launched with (`vllm_sessions.choose_api`).
+`engine_api: auto` (the default) takes the path the server was launched with (`sidecar.sessions.choose_api`).
 
-Each delivery asks the engine what it holds (`vllm_sessions`). An engine that already holds the
+Each delivery asks the engine what it holds (`sidecar.sessions`). An engine that already holds the
 state gets nothing; one that provably holds the previous state gets a delta (sparse where the
 applied patches say which positions changed); any other (launch checkpoint, restart, another
 writer, failure) gets a full update. Everything is decided, written and staged before the
@@ -41,10 +42,10 @@ from pulsesync.atomic_files import replace_with
 from pulsesync.errors import EngineError
 from pulsesync.sinks.base import Sink, Update
 from pulsesync.sinks.config import VLLMSinkConfig
-from pulsesync.sinks.http import EngineClient, reply_field
-from pulsesync.sinks.vllm_sessions import EngineSession, Serving, http_engine, weight_version
-from pulsesync.sinks.weight_update import Region, WeightUpdate, build_update
-from pulsesync.sinks.weight_version import HeldPolicy
+from pulsesync.sinks.http import EngineClient, reply_field, weight_version
+from pulsesync.sinks.vllm.sidecar.sessions import EngineSession, Serving, http_engine
+from pulsesync.sinks.vllm.wire.update_file import Region, WeightUpdate, build_update
+from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy
 from pulsesync.verified import VerifiedState
 
 __all__ = ["HeldPolicy", "SentUpdate", "VLLMSink", "VLLMSinkConfig"]
