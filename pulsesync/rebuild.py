@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -36,12 +36,27 @@ DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensor
 MAX_ANCHORS_TRIED = 3  # a slow path passes at most this many failing anchors before it gives up
 
 
-@dataclass
-class Reconstruction(VerifiedState):
+class Reconstruction(NamedTuple):
     """A state rebuilt from the store and verified, with where its chain starts."""
 
-    anchor_step: int = -1
-    patches_applied: int = 0
+    verified: VerifiedState
+    anchor_step: int
+    patches_applied: int
+
+    @property
+    def step(self) -> int:
+        """The rebuilt step."""
+        return self.verified.step
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The rebuilt tensors."""
+        return self.verified.state
+
+    @property
+    def digest(self) -> StateDigest:
+        """The rebuilt state's checked digest."""
+        return self.verified.digest
 
 
 async def load_anchor(
@@ -190,7 +205,7 @@ async def reconstruct(chain: ChainClient, step: int | None = None, anchors: int 
             log.warning("anchor %d: %s: %s; trying the anchor before it", walk.end, type(e).__name__, e)
             continue
         digest, history = await apply_chain(chain.fetcher, state, digest, links)
-        return Reconstruction(target, state, digest, files, history, walk.end, len(links))
+        return Reconstruction(VerifiedState(target, state, digest, files, history), walk.end, len(links))
     raise failed[min(failed)]
 
 

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from pulsesync.atomic_files import replace_with, write_file
 from pulsesync.codec.history import ChunkHistory, StepHistory
 from pulsesync.digest import StateDigest, state_digest
-from pulsesync.errors import LocalWriteError
+from pulsesync.errors import IntegrityError, LocalWriteError
 from pulsesync.model_dir import load_owned
 from pulsesync.verified import VerifiedState
 
@@ -58,15 +58,30 @@ class JournalEntry:
 
 
 @dataclass
-class CachedState(VerifiedState):
+class CachedState:
     """A state read back from the cache (its digest re-checked), and the signed marker saved with it.
 
-    Self-consistent is not authentic: a reader verifies `marker` against its trusted keys (or the
-    store's marker for `step`) before it serves the state.
+    Self-consistent is not authentic: it becomes a `VerifiedState` only through `verified_by`, once
+    a reader verified a manifest for it (`marker` against its trusted keys, or the store's marker
+    for `step`).
     """
 
+    step: int
+    state: dict[str, torch.Tensor]
+    digest: StateDigest
+    files: dict[str, bytes] = field(default_factory=dict)
+    history: StepHistory | None = None
     marker: bytes | None = None
     journal: list[JournalEntry] = field(default_factory=list)  # patches after `step`, in step order: replay them
+
+    def verified_by(self, step: int, state_digest_root: str, what: str) -> VerifiedState:
+        """The cached state as verified by a manifest the caller verified (of this step and state digest)."""
+        if step != self.step or state_digest_root != self.digest.root:
+            raise IntegrityError(
+                f"{what} is step {step} with state digest {state_digest_root}, the cache holds step "
+                f"{self.step} with {self.digest.root}"
+            )
+        return VerifiedState(self.step, self.state, self.digest, self.files, self.history)
 
 
 def save(cache_dir: Path, verified: VerifiedState, marker: bytes | None = None) -> None:

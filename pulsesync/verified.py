@@ -2,8 +2,8 @@
 
 Verified means its digest was checked against a signed manifest (subscriber, cache, rebuild) or
 computed by the publisher from the copy it committed. The publisher's baseline, the subscriber's
-staged and served state, the local cache, a rebuild from the store and what sinks receive are
-this record or extend it.
+staged and served state and a rebuild from the store hold this record; a state read back from
+the cache becomes one only through verification (`state_cache.CachedState.verified_by`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from pulsesync.sinks.vllm.wire.update_file import Region, WeightUpdate, build_up
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
+from pulsesync.verified import VerifiedState
 from tests.support.helpers import assert_states_equal, copying_loader
 
 transformers = pytest.importorskip("transformers")
@@ -217,15 +218,15 @@ async def test_directory_sink_keeps_what_an_engine_serves_and_reuses_only_matchi
     pinned: set[Path] = set()
     sink = DirectorySink(DirectorySinkConfig(out_dir=tmp_path, keep=1), lambda: pinned)
     for s in (other, state):  # another run's step 5 first
-        await sink.deliver(Update(5, s, state_digest(s), {}))
+        await sink.deliver(Update(VerifiedState(5, s, state_digest(s), {})))
     assert recorded(tmp_path / "step-000000000005") == {"step": 5, "digest": state_digest(state).root}
     loaded = load_file(str(next((tmp_path / "current").glob("*.safetensors"))))
     assert torch.equal(loaded["w"].view(torch.int16), state["w"].view(torch.int16))
     pinned.add(tmp_path / "step-000000000005")
-    await sink.deliver(Update(6, other, state_digest(other), {}))
+    await sink.deliver(Update(VerifiedState(6, other, state_digest(other), {})))
     assert (tmp_path / "step-000000000005").exists()
     pinned.clear()
-    await sink.deliver(Update(7, state, state_digest(state), {}))
+    await sink.deliver(Update(VerifiedState(7, state, state_digest(state), {})))
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000000007"]
 
 

@@ -24,6 +24,7 @@ from pulsesync.sinks.base import Update
 from pulsesync.sinks.config import VLLMLoRASinkConfig
 from pulsesync.sinks.vllm.sidecar.lora import VLLMLoRASink
 from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, adapter_dir_name, parse_adapter_dir
+from pulsesync.verified import VerifiedState
 from tests.support.servers import free_port
 
 CONFIG = {"adapter_config.json": json.dumps({"r": 4, "target_modules": ["q_proj"]}).encode()}
@@ -70,7 +71,7 @@ def error(status: int, message: str, kind: str) -> web.Response:
 def update(step: int, seed: int, files: dict[str, bytes] = CONFIG) -> Update:
     gen = torch.Generator().manual_seed(seed)
     state = {"base_model.model.q_proj.lora_A.weight": torch.randn(4, 8, generator=gen).to(torch.bfloat16)}
-    return Update(step, state, state_digest(state), dict(files))
+    return Update(VerifiedState(step, state, state_digest(state), dict(files)))
 
 
 async def serve(standin: StandIn) -> tuple[web.AppRunner, str]:

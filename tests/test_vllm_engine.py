@@ -34,6 +34,7 @@ from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
 from pulsesync.store import FileStore
 from pulsesync.subscriber import Subscriber
 from pulsesync.subscriber.config import SubscriberConfig
+from pulsesync.verified import VerifiedState
 from tests.support.vllm_engine import VLLM_PYTHON, EngineProxy, VLLMServer, restarted_under_daemon, version_is
 from tests.support.vllm_workload import (
     LONG_PROMPT,
@@ -126,7 +127,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
 
             # An update that fails validation changes nothing.
             state = dict(sub.state or {}) | {"bogus.weight": torch.zeros(4, dtype=torch.bfloat16)}
-            bogus = Update(6, state, state_digest(state), {}, None)
+            bogus = Update(VerifiedState(6, state, state_digest(state), {}))
             with pytest.raises(EngineError, match=r"bogus\.weight"):
                 await vllm_sink.deliver(bogus)
             await engine_holds(5)
@@ -160,7 +161,7 @@ async def test_vllm_serves_every_published_step_bit_for_bit(tmp_path: Path) -> N
             other = VLLMSink(VLLMSinkConfig(url=url, update_dir=updates, engine_api="weight_transfer"))
             proxy.seen.clear()
             with pytest.raises(EngineError, match=r"launched with --worker-extension-cls .* set engine_api: worker_"):
-                await other.deliver(Update(7, dict(sub.state or {}), published[7], sub.served.files, None))
+                await other.deliver(Update(VerifiedState(7, dict(sub.state or {}), published[7], sub.served.files)))
             assert proxy.calls() == ["/server_info"]
             assert await greedy_logprobs(url) == at_step_7
 

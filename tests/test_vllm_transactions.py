@@ -26,6 +26,7 @@ from pulsesync.sinks.vllm.sidecar.sessions import EngineSession, Serving, Transf
 from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
 from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
 from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy, parse_version
+from pulsesync.verified import VerifiedState
 from tests.support.helpers import copying_loader
 
 
@@ -197,7 +198,7 @@ async def test_a_rank_that_fails_rolls_every_rank_back_and_the_next_session_land
 
     sink = VLLMSink(VLLMSinkConfig(url="local", update_dir=tmp_path), connect=connect)
     d0, d1 = state_digest(s0), state_digest(s1)
-    await sink.deliver(Update(0, s0, d0, {}))
+    await sink.deliver(Update(VerifiedState(0, s0, d0, {})))
     assert parse_version(verbs.version) == HeldPolicy(0, d0.root)
     before = [served(m) for m in models]
 
@@ -210,17 +211,17 @@ async def test_a_rank_that_fails_rolls_every_rank_back_and_the_next_session_land
 
     workers[1]._stage = truncated  # type: ignore[method-assign]
     with pytest.raises(EngineError, match=r"step 1 failed on rank 1 .*every rank is back on step 0"):
-        await sink.deliver(Update(1, s1, d1, {}, previous_digest=d0))
+        await sink.deliver(Update(VerifiedState(1, s1, d1, {}), previous_digest=d0))
     assert all(same(served(m), b) for m, b in zip(models, before, strict=True))
     assert parse_version(verbs.version) == HeldPolicy(0, d0.root)  # finished without a version
 
     workers[1]._stage = stage  # type: ignore[method-assign]
     verbs.version = "someone-else"  # another writer: the state is unknown, so the update is whole
-    await sink.deliver(Update(1, s1, d1, {}, previous_digest=d0))
+    await sink.deliver(Update(VerifiedState(1, s1, d1, {}), previous_digest=d0))
     assert sink.last_update is not None and sink.last_update.base is None
     assert parse_version(verbs.version) == HeldPolicy(1, d1.root)
     assert all(same(served(m), {"norm": s1["norm.weight"], "packed": s1["proj.weight"]}) for m in models)
 
     workers[0].start()  # a sidecar died inside a session: the next delivery finishes it first
-    await sink.deliver(Update(1, s1, d1, {}, previous_digest=d0))
+    await sink.deliver(Update(VerifiedState(1, s1, d1, {}), previous_digest=d0))
     assert not workers[0].open

@@ -30,7 +30,7 @@ async def resume_baseline(
             manifest = await chain.commit_manifest(newest)
             if manifest.state_digest.root == cached.digest.root:
                 log.info("resumed at step %d from cache %s (digest %s)", newest, cache_dir, cached.digest.root)
-                return cached
+                return cached.verified_by(manifest.step, manifest.state_digest.root, f"step {newest}'s marker")
     log.info("resuming at step %d: rebuilding it from %s", newest, chain.store.url)
     try:
         rebuilt = await reconstruct(chain, newest)
@@ -41,4 +41,4 @@ async def resume_baseline(
         return None
     source = f"anchor {rebuilt.anchor_step} + {rebuilt.patches_applied} patches"
     log.info("resumed at step %d from %s (digest %s)", newest, source, rebuilt.digest.root)
-    return rebuilt
+    return rebuilt.verified

@@ -8,20 +8,43 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from pulsesync.codec.changes import Changes
 from pulsesync.digest import StateDigest
 from pulsesync.verified import VerifiedState
 
 
 @dataclass
-class Update(VerifiedState):
+class Update:
     """A verified state handed to sinks; `directory` is set once a directory sink has written it."""
 
+    verified: VerifiedState
     previous_digest: StateDigest | None = None  # of the state served until now (None at the first)
     # What the patches applied since then changed; None when unknown (the first state, the slow
     # path): then every tensor whose digest changed counts as changed whole.
     changes: Changes | None = None
     directory: Path | None = None
+
+    @property
+    def step(self) -> int:
+        """The step delivered."""
+        return self.verified.step
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Its tensors."""
+        return self.verified.state
+
+    @property
+    def digest(self) -> StateDigest:
+        """Its checked digest."""
+        return self.verified.digest
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        """Its non-weight files (config.json, tokenizer)."""
+        return self.verified.files
 
 
 class Sink(ABC):

@@ -47,7 +47,7 @@ class SGLangSink(Sink):
         """Bring the server to the update's state; EngineError naming what it then holds unless it succeeded."""
         if update.directory is None:
             raise EngineError("sglang sink: needs a directory sink (out_dir) to write the step first")
-        version = weight_version(update)
+        version = weight_version(update.verified)
         async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
             if await self._version(engine) == version:
                 self.serving = update.directory

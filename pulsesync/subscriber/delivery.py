@@ -29,9 +29,8 @@ class Delivery:
         served = self.held.served
         changes = Changes.of(staged.undo)  # positions read from the logs only if a sink asks (a sparse update)
         previous = served.digest if served is not None else None
-        update = Update(
-            staged.step, staged.state, staged.digest, staged.files, previous_digest=previous, changes=changes
-        )
+        verified = staged.verified
+        update = Update(verified, previous, changes)
         try:
             for sink in self.sinks:
                 try:
@@ -45,4 +44,4 @@ class Delivery:
                 self.undelivered = staged  # keep the rebuilt state: no second anchor download
             raise
         self.undelivered = None
-        self.held.serve(staged)
+        self.held.serve(verified)

@@ -78,7 +78,7 @@ class HeldState:
         """Serve this state from now on (it replaced or was patched from the one before)."""
         self.version += 1
         self.diverged = None
-        self.served = VerifiedState(verified.step, verified.state, verified.digest, verified.files, verified.history)
+        self.served = verified
 
     def copy_into(self, module: torch.nn.Module) -> None:
         """Overwrite a module's parameters and buffers in place with the served state, bit-exact.

@@ -52,17 +52,23 @@ class SyncResult:
 
 
 @dataclass
-class Staged(VerifiedState):
+class Staged:
     """A verified state on its way to the sinks, and the path that produced it."""
 
+    verified: VerifiedState
     path: SyncPath = SyncPath.SLOW
-    undo: list[UndoLog] = field(default_factory=list)  # set when `state` is the held state, patched in place
+    undo: list[UndoLog] = field(default_factory=list)  # set when the state is the held one, patched in place
     patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
+
+    @property
+    def step(self) -> int:
+        """The staged step."""
+        return self.verified.step
 
     def rollback(self) -> None:
         """Undo in-place patches, newest first."""
         for log_ in reversed(self.undo):
-            log_.rollback(self.state)
+            log_.rollback(self.verified.state)
         self.undo.clear()
 
 
@@ -78,21 +84,17 @@ async def incremental(chain: ChainClient, held: HeldState, target: int) -> Stage
     if not walk.complete or walk.end != served.step:
         return None  # a gap (pruned, or an anchor in place of a failed patch), or another chain
     path = SyncPath.FAST if len(links) == 1 else SyncPath.CHAIN
-    staged = Staged(target, served.state, served.digest, served.files, path=path)
+    undo: list[UndoLog] = []
+    applied: list[tuple[PatchManifest, bytes]] = []
     try:
-        staged.digest, staged.history = await apply_chain(
-            chain.fetcher,
-            served.state,
-            served.digest,
-            links,
-            undo=staged.undo,
-            reference=served.history,
-            applied=staged.patches,
+        digest, history = await apply_chain(
+            chain.fetcher, served.state, served.digest, links, undo=undo, reference=served.history, applied=applied
         )
     except BaseException:
-        staged.rollback()
+        for log_ in reversed(undo):
+            log_.rollback(served.state)
         raise
-    return staged
+    return Staged(VerifiedState(target, served.state, digest, served.files, history), path, undo, applied)
 
 
 async def slow(chain: ChainClient, target: int, around_withheld: bool = False) -> Staged:
@@ -110,4 +112,4 @@ async def slow(chain: ChainClient, target: int, around_withheld: bool = False) -
             raise
         log.warning("step %d: %s; rebuilding the newest step, %d, instead", target, withheld, newest)
         rebuilt = await reconstruct(chain, newest)
-    return Staged(rebuilt.step, rebuilt.state, rebuilt.digest, rebuilt.files, rebuilt.history, SyncPath.SLOW)
+    return Staged(rebuilt.verified, SyncPath.SLOW)

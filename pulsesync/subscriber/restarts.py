@@ -58,7 +58,7 @@ class RestartWatch:
         stale = await self.stale(served)
         if not stale:
             return 0
-        update = Update(served.step, served.state, served.digest, served.files, served.history)
+        update = Update(served)  # previous_digest None: the whole state
         started = time.perf_counter()
         for i, sink in enumerate(self.sinks):
             if sink in stale:

@@ -14,6 +14,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.fetcher import check_patch
 from pulsesync.protocol.manifest import PatchManifest, verify_manifest
 from pulsesync.rebuild import apply_step
+from pulsesync.verified import VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
 
@@ -50,11 +51,11 @@ async def replay(chain: ChainClient, cached: state_cache.CachedState, cache_dir:
         cached.step, cached.marker, cached.history = manifest.step, raw, history
 
 
-async def vouching_stream(
+async def vouched(
     chain: ChainClient, cached: state_cache.CachedState, cache_dir: Path, reset_stream: bool
-) -> str | None:
-    """The stream of a signed manifest that vouches for the cached state (the store's for its step, else the
-    cached copy), or None when none does: the cache is then discarded.
+) -> tuple[VerifiedState, str] | None:
+    """The cached state verified by a signed manifest that vouches for it (the store's for its step, else the
+    cached copy), and that manifest's stream; None when none does: the cache is then discarded.
 
     The stream is pinned first: by the config, else by the cache's own signed marker (the stream
     this subscriber learned), so markers another run copied into the prefix are foreign and
@@ -91,15 +92,11 @@ async def vouching_stream(
             if own is None:
                 raise NotFoundError(f"step {cached.step} has no ready marker in {chain.store.url} and none was cached")
             manifest = own
-        if manifest.step != cached.step or manifest.state_digest.root != cached.digest.root:
-            raise IntegrityError(
-                f"its marker is step {manifest.step} with state digest {manifest.state_digest.root}, the cache "
-                f"holds step {cached.step} with {cached.digest.root}"
-            )
+        verified = cached.verified_by(manifest.step, manifest.state_digest.root, "its marker")
         pinned = chain.stream_id if chain.stream_id is not None else store_stream
         if pinned and manifest.stream_id != pinned:
             raise ForeignStreamError(f"it is of stream {manifest.stream_id!r}, the store's is {pinned!r}")
     except PulseSyncError as e:
         log.warning("discarding %s: no signed manifest vouches for it (%s: %s)", where, type(e).__name__, e)
         return None
-    return manifest.stream_id
+    return verified, manifest.stream_id

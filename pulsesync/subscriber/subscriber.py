@@ -126,15 +126,15 @@ class Subscriber:
         await resume.replay(self.stores.sources[0].chain, cached, cache_dir)
         # The last store (the origin) is asked: a mirror does not choose the stream (`stores.py`).
         origin = self.stores.sources[-1].chain
-        stream = await resume.vouching_stream(origin, cached, cache_dir, self.config.reset_stream)
-        if stream is None:
+        found = await resume.vouched(origin, cached, cache_dir, self.config.reset_stream)
+        if found is None:
             return
+        verified, stream = found
         self.stores.pin_stream(stream)
         self.status.stream_id = self.stores.stream_id
         await self.cache.resumed()
         log.info("resumed step %d from %s (digest %s)", cached.step, cache_dir, cached.digest.root)
-        staged = Staged(cached.step, cached.state, cached.digest, cached.files, cached.history, SyncPath.CACHE)
-        await self.syncing.serve(staged, persist=False)
+        await self.syncing.serve(Staged(verified, SyncPath.CACHE), persist=False)
 
     async def close(self) -> None:
         """Finish writing the state cache; release the store."""

@@ -130,12 +130,13 @@ class Sync:
     async def serve(self, staged: Staged, persist: bool = True) -> None:
         """Deliver a verified state to every sink and serve it (`delivery.py`), then say so."""
         await self.delivery.deliver(staged)
-        self.status.step, self.status.digest = staged.step, staged.digest.root
+        digest = staged.verified.digest.root
+        self.status.step, self.status.digest = staged.step, digest
         # A verified state is served: the sync succeeded as far as health goes, now and not after
         # the awaits that follow (a /healthz read in between said unhealthy while serving it).
         self.status.consecutive_failures, self.status.last_error = 0, None
         metrics.SUBSCRIBER_STEP.set(staged.step)
-        log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, staged.digest.root)
+        log.info("serving step %d (path %s, digest %s)", staged.step, staged.path, digest)
         if (found := self.stores.read.chain.verified_marker(staged.step)) is not None:
             self.stores.pin_stream(found[1].stream_id)
             self.status.stream_id = self.stores.stream_id
