@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -29,34 +29,20 @@ from pulsesync.protocol.fetcher import Fetcher, check_digest, split_parts
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest
 from pulsesync.sharding.layout import Assembly
 from pulsesync.threads import in_thread_to_completion
-from pulsesync.verified import VerifiedState
+from pulsesync.verified import HoldsVerified, VerifiedState
 
 log = logging.getLogger("pulsesync.chain")
 DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
 MAX_ANCHORS_TRIED = 3  # a slow path passes at most this many failing anchors before it gives up
 
 
-class Reconstruction(NamedTuple):
+@dataclass(frozen=True)
+class Reconstruction(HoldsVerified):
     """A state rebuilt from the store and verified, with where its chain starts."""
 
     verified: VerifiedState
     anchor_step: int
     patches_applied: int
-
-    @property
-    def step(self) -> int:
-        """The rebuilt step."""
-        return self.verified.step
-
-    @property
-    def state(self) -> dict[str, torch.Tensor]:
-        """The rebuilt tensors."""
-        return self.verified.state
-
-    @property
-    def digest(self) -> StateDigest:
-        """The rebuilt state's checked digest."""
-        return self.verified.digest
 
 
 async def load_anchor(

@@ -27,3 +27,34 @@ class VerifiedState:
     digest: StateDigest
     files: dict[str, bytes] = field(default_factory=dict)
     history: StepHistory | None = None
+
+
+class HoldsVerified:
+    """What holds a `verified` record answers for its fields (the staged state, a rebuild, a sink's update)."""
+
+    verified: VerifiedState
+
+    @property
+    def step(self) -> int:
+        """The step verified."""
+        return self.verified.step
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Its tensors."""
+        return self.verified.state
+
+    @property
+    def digest(self) -> StateDigest:
+        """Its checked digest."""
+        return self.verified.digest
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        """Its non-weight files (config.json, tokenizer)."""
+        return self.verified.files
+
+    @property
+    def history(self) -> StepHistory | None:
+        """The history of the patch that produced it."""
+        return self.verified.history

@@ -8,15 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
 from pulsesync.codec.changes import Changes
 from pulsesync.digest import StateDigest
-from pulsesync.verified import VerifiedState
+from pulsesync.verified import HoldsVerified, VerifiedState
 
 
 @dataclass
-class Update:
+class Update(HoldsVerified):
     """A verified state handed to sinks; `directory` is set once a directory sink has written it."""
 
     verified: VerifiedState
@@ -25,26 +23,6 @@ class Update:
     # path): then every tensor whose digest changed counts as changed whole.
     changes: Changes | None = None
     directory: Path | None = None
-
-    @property
-    def step(self) -> int:
-        """The step delivered."""
-        return self.verified.step
-
-    @property
-    def state(self) -> dict[str, torch.Tensor]:
-        """Its tensors."""
-        return self.verified.state
-
-    @property
-    def digest(self) -> StateDigest:
-        """Its checked digest."""
-        return self.verified.digest
-
-    @property
-    def files(self) -> dict[str, bytes]:
-        """Its non-weight files (config.json, tokenizer)."""
-        return self.verified.files
 
 
 class Sink(ABC):

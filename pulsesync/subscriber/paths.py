@@ -18,7 +18,7 @@ from pulsesync.protocol.chain import ChainClient
 from pulsesync.protocol.manifest import PatchManifest
 from pulsesync.rebuild import apply_chain, reconstruct
 from pulsesync.subscriber.held import HeldState
-from pulsesync.verified import VerifiedState
+from pulsesync.verified import HoldsVerified, VerifiedState
 
 log = logging.getLogger("pulsesync.subscriber")
 
@@ -52,18 +52,13 @@ class SyncResult:
 
 
 @dataclass
-class Staged:
+class Staged(HoldsVerified):
     """A verified state on its way to the sinks, and the path that produced it."""
 
     verified: VerifiedState
     path: SyncPath = SyncPath.SLOW
     undo: list[UndoLog] = field(default_factory=list)  # set when the state is the held one, patched in place
     patches: list[tuple[PatchManifest, bytes]] = field(default_factory=list)  # applied in place, for the journal
-
-    @property
-    def step(self) -> int:
-        """The staged step."""
-        return self.verified.step
 
     def rollback(self) -> None:
         """Undo in-place patches, newest first."""
