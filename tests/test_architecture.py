@@ -240,3 +240,15 @@ def _calls_in_async_functions() -> list[tuple[str, int, str]]:
 def test_no_blocking_lock_acquire_on_the_event_loop() -> None:
     """A lock a thread may hold for long is never waited for on the loop (held.py: scopes, not locks)."""
     assert _calls_in_async_functions() == []
+
+
+def test_the_subscriber_wires_its_parts_and_sinks_come_from_the_registry() -> None:
+    """subscriber.py wires the rooms of subscriber/ (<= 200 lines, <= 15 methods); build_sinks branches on no type."""
+    path = PACKAGE / "subscriber" / "subscriber.py"
+    tree = ast.parse(path.read_text())
+    subscriber = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Subscriber")
+    methods = [n for n in subscriber.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(path.read_text().splitlines()) <= 200 and len(methods) <= 15
+    sinks = ast.parse((PACKAGE / "sinks" / "__init__.py").read_text())
+    build = next(n for n in sinks.body if isinstance(n, ast.FunctionDef) and n.name == "build_sinks")
+    assert not [n for n in ast.walk(build) if isinstance(n, ast.If)]
