@@ -98,10 +98,10 @@ class Sync:
         elif self.held.diverged is not None:  # the held state is not what its digest says: rebuild it
             staged = await paths.slow(chain, target)
         elif target != self.held.step:
-            staged = await self._incremental(offer) if self.held.served is not None else None
-            if staged is None:
-                staged = await paths.slow(chain, target, around_withheld=offer.following)
-        if staged is not None and staged.path not in (SyncPath.FAST, SyncPath.CHAIN):
+            if self.held.served is not None and (patched := await self._incremental(offer)) is not None:
+                return await self._finish(offer, patched, t0)  # delivered and served in its patch scope
+            staged = await paths.slow(chain, target, around_withheld=offer.following)
+        if staged is not None:
             await self.serve(staged)
         return await self._finish(offer, staged, t0)
 
