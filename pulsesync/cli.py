@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -632,6 +633,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pulsesync` console script."""
     args = build_parser().parse_args(argv)
+    with _loggers_restored():
+        return _run(args)
+
+
+# The loggers a command quiets or raises for its own lines: put back when it returns, so that a
+# program (or test) that calls main() in process logs as it did before.
+_COMMAND_LOGGERS = (
+    *("pulsesync.subscriber", "pulsesync.retention", "pulsesync.mirror"),
+    *("pulsesync.progress", "pulsesync.publisher.steps"),
+)
+
+
+@contextlib.contextmanager
+def _loggers_restored() -> Iterator[None]:
+    levels = {name: logging.getLogger(name).level for name in _COMMAND_LOGGERS}
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     _setup_logging(args)
     try:
         result: Any = args.run(args)

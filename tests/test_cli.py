@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,14 @@ def test_demo_small_run_on_the_embedded_s3_server_is_bit_exact(capsys: pytest.Ca
     step6 = next(line for line in out.splitlines() if line.split()[:1] == ["6"])
     assert "corrupted patch-" in step6 and step6.count("slow (fell back)") == 2  # detected, then recovered
     assert "IntegrityError x1" in out and "retention: " in out and "rebuilt from the store" in out
+
+
+def test_a_command_run_in_process_leaves_the_loggers_as_it_found_them(tmp_path: Path) -> None:
+    """main() in an embedding program (a test, a notebook) quiets or raises its loggers only while it runs."""
+    names = ("pulsesync.subscriber", "pulsesync.retention", "pulsesync.progress", "pulsesync.publisher.steps")
+    before = {name: (logging.getLogger(name).level, logging.getLogger(name).propagate) for name in names}
+    assert main(["demo", "--steps", "2", "--hidden", "16", "--layers", "1", "--store", tmp_path.as_uri()]) == 0
+    assert {name: (logging.getLogger(name).level, logging.getLogger(name).propagate) for name in names} == before
 
 
 def test_console_script_exit_code(tmp_path: Path) -> None:
