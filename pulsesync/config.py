@@ -64,6 +64,11 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(tree, dotted, value)
+    return validate_config(model, tree, source)
+
+
+def validate_config(model: type[ConfigT], tree: dict[str, Any], source: str) -> ConfigT:
+    """`model` from a mapping (a YAML file's, or a framework's keyword arguments); ConfigError naming each bad key."""
     try:
         return model.model_validate(tree)
     except ValidationError as e:

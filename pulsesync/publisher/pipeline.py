@@ -289,6 +289,11 @@ class Publisher:
         return self._async.skipped
 
     @property
+    def last_error(self) -> PulseSyncError | None:
+        """Why the newest step that failed was not published."""
+        return self._async.last_error
+
+    @property
     def run_id(self) -> str:
         """This run's id, part of every payload key it writes."""
         return self._async.run_id

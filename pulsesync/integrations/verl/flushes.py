@@ -1,0 +1,116 @@
+"""A weight update in the shapes verl's server adapters consume (pure: tensors in, tensors out).
+
+`delta_flush` is verl's own wire format for delta updates (`verl.checkpoint_engine.delta_sync.encode`,
+decoded by its vLLM and SGLang consumers): each flush is `[("__delta_spec__", JSON bytes),
+("__positions__", int32 positions as bytes), ("__values__", values)]` with an `is_last` flag. A
+spec lists each parameter's name, dtype, shape and its slices of the two buffers; an `indices`
+flush carries changed positions and their values, a `dense` one (no positions) whole tensors. One
+flush holds one dtype (its values are one tensor) and about `bucket_bytes`; a parameter larger
+than that travels alone. `checksum` is verl's wire check, computed the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from pulsesync.sinks.vllm.wire.update_file import WeightUpdate
+
+Flush = tuple[list[tuple[str, torch.Tensor]], bool]  # (named tensors, is_last)
+
+
+def checksum(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """verl's wire check of one flush (`delta_sync.encode.checksum`): XOR hashes of both buffers."""
+    p = int(torch.hash_tensor(positions).item()) if positions.numel() else 0
+    v = int(torch.hash_tensor(values).item()) if values.numel() else 0
+    return p ^ (v << 1)
+
+
+@dataclass
+class _Pending:
+    """The parameters gathered for one flush: a spec entry and its positions and values each."""
+
+    encoding: str
+    dtype: torch.dtype
+    params: list[dict[str, object]] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    pos_end: int = 0
+    val_end: int = 0
+
+    def add(self, name: str, shape: tuple[int, ...], positions: torch.Tensor | None, values: torch.Tensor) -> None:
+        count = values.numel()
+        pos_bytes = 4 * count if positions is not None else 0
+        self.params.append(
+            {
+                "name": name,
+                "dtype": str(values.dtype).removeprefix("torch."),
+                "shape": list(shape),
+                "pos_start": self.pos_end,
+                "pos_end": self.pos_end + pos_bytes,
+                "pos_width": 4,
+                "val_start": self.val_end,
+                "val_end": self.val_end + count,
+            }
+        )
+        if positions is not None:
+            self.positions.append(positions.to(torch.int32))
+        self.values.append(values.reshape(-1))
+        self.pos_end += pos_bytes
+        self.val_end += count
+        self.nbytes += pos_bytes + values.nbytes
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        values = torch.cat(self.values) if len(self.values) > 1 else self.values[0].contiguous()
+        positions = torch.cat(self.positions).view(torch.uint8) if self.positions else torch.empty(0, dtype=torch.uint8)
+        spec = {"encoding": self.encoding, "params": self.params, "checksum": checksum(positions, values)}
+        named = [("__delta_spec__", torch.frombuffer(bytearray(json.dumps(spec).encode()), dtype=torch.uint8))]
+        if self.encoding == "indices":
+            named.append(("__positions__", positions))
+        return [*named, ("__values__", values)]
+
+
+def delta_flushes(update: WeightUpdate, state: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[Flush]:
+    """The update to `state` as verl `delta_flush` flushes: changed positions (`indices`), whole tensors (`dense`).
+
+    A tensor past int32 positions (2^31 elements) goes whole. Nothing to send yields nothing: verl's
+    adapters then only record the step.
+    """
+    pending: dict[tuple[str, torch.dtype], _Pending] = {}
+    ready: _Pending | None = None
+
+    def entries() -> Iterator[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]]:
+        for name, (positions, values) in update.sparse.items():
+            whole = positions.dtype != torch.int32  # verl's positions are int32
+            yield name, tuple(state[name].shape), None if whole else positions, state[name] if whole else values
+        for name, tensor in update.whole.items():
+            yield name, tuple(tensor.shape), None, tensor
+
+    for name, shape, positions, values in entries():
+        key = ("indices" if positions is not None else "dense", values.dtype)
+        size = values.nbytes + (4 * values.numel() if positions is not None else 0)
+        gathering = pending.get(key)
+        if gathering is not None and gathering.nbytes + size > bucket_bytes:
+            if ready is not None:
+                yield ready.named_tensors(), False
+            ready = pending.pop(key)
+            gathering = None
+        if gathering is None:
+            gathering = pending[key] = _Pending(key[0], values.dtype)
+        gathering.add(name, shape, positions, values)
+    for gathering in pending.values():
+        if ready is not None:
+            yield ready.named_tensors(), False
+        ready = gathering
+    if ready is not None:
+        yield ready.named_tensors(), True
+
+
+def whole_tensors(update: WeightUpdate, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The update as `named_tensors`: every tensor it touches, whole, from the state it moves to."""
+    for name in (*update.sparse, *update.whole):
+        yield name, state[name]
