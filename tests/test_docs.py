@@ -93,6 +93,7 @@ BENCH = [
     ("docs/benchmarks.md", "python bench/scale.py"),
     ("docs/benchmarks.md", "python bench/sharded.py"),
     ("docs/benchmarks.md", "python bench/fanout.py"),
+    ("docs/benchmarks.md", "python bench/verl.py"),
     ("docs/benchmarks.md", "PULSESYNC_VLLM_PYTHON"),
 ]
 # Shell scenarios: blocks run in order in one directory, after what a user has done before (`BEFORE`).
@@ -124,7 +125,7 @@ PYTHON = [
     ("docs/subscriber.md", "from pulsesync.subscriber import Subscriber"),
     ("docs/usage.md", "from pulsesync.store import StoreConfig"),
 ]
-YAML = [("docs/engines.md", "sinks:")]
+YAML = [("docs/engines.md", "sinks:"), ("docs/integrations.md", "# verl's config")]
 ENGINE = [("docs/integrations.md", "# 1. the engine"), ("docs/integrations.md", "# 3. the trainer")]
 
 
@@ -460,6 +461,21 @@ def test_engine_sink_yaml_is_a_valid_config(tmp_path: Path) -> None:
     sinks = yaml.safe_load(block("docs/engines.md", "sinks:").text)
     config = SubscriberConfig.model_validate({"store": {"url": f"file://{tmp_path}"}, **sinks})
     assert config.sinks[0].type == "vllm"
+
+
+def test_verl_recipe_yaml_builds_the_backend_on_both_sides() -> None:
+    """The engine_kwargs as verl hands them to the backend (verl itself need not be installed)."""
+    import yaml
+
+    from pulsesync.integrations.verl import PulseSyncCheckpointEngine
+
+    section = yaml.safe_load(block("docs/integrations.md", "# verl's config").text)
+    checkpoint_engine = section["actor_rollout_ref"]["rollout"]["checkpoint_engine"]
+    assert checkpoint_engine["custom_backend_module"] == "pulsesync.integrations.verl"
+    kwargs = checkpoint_engine["engine_kwargs"][checkpoint_engine["backend"]]
+    engine = PulseSyncCheckpointEngine(bucket_size=2048 << 20, is_master=True, **kwargs)
+    assert engine.settings.publisher is not None and engine.settings.subscriber is not None
+    assert len(engine.settings.subscriber.stores) == 2 and engine.wire_format == "delta_flush"
 
 
 # --- the engine stage ----------------------------------------------------------------------------
