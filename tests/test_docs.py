@@ -93,7 +93,7 @@ BENCH = [
     ("docs/benchmarks.md", "python bench/scale.py"),
     ("docs/benchmarks.md", "python bench/sharded.py"),
     ("docs/benchmarks.md", "python bench/fanout.py"),
-    ("docs/benchmarks.md", "python bench/verl.py"),
+    ("docs/benchmarks.md", "python bench/verl_sync.py"),
     ("docs/benchmarks.md", "PULSESYNC_VLLM_PYTHON"),
 ]
 # Shell scenarios: blocks run in order in one directory, after what a user has done before (`BEFORE`).

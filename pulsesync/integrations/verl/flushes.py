@@ -4,9 +4,9 @@
 decoded by its vLLM and SGLang consumers): each flush is `[("__delta_spec__", JSON bytes),
 ("__positions__", int32 positions as bytes), ("__values__", values)]` with an `is_last` flag. A
 spec lists each parameter's name, dtype, shape and its slices of the two buffers; an `indices`
-flush carries changed positions and their values, a `dense` one (no positions) whole tensors. One
-flush holds one dtype (its values are one tensor) and about `bucket_bytes`; a parameter larger
-than that travels alone. `checksum` is verl's wire check, computed the same way.
+flush carries changed positions and their values, a `dense` one (no positions) whole tensors; one
+update is all of one encoding. One flush holds one dtype (its values are one tensor) and about
+`bucket_bytes`; a parameter larger than that travels alone. `checksum` is verl's wire check, computed the same way.
 """
 
 from __future__ import annotations
@@ -75,32 +75,34 @@ class _Pending:
 
 
 def delta_flushes(update: WeightUpdate, state: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[Flush]:
-    """The update to `state` as verl `delta_flush` flushes: changed positions (`indices`), whole tensors (`dense`).
+    """The update to `state` as verl `delta_flush` flushes, all of one encoding (verl's vLLM consumer refuses a mix).
 
-    A tensor past int32 positions (2^31 elements) goes whole. Nothing to send yields nothing: verl's
+    Against a base the engine holds: `indices`, a tensor that changed whole listing every position.
+    Without one (`update.base` None: every tensor whole), or when a changed tensor has 2^31 elements
+    or more (past verl's int32 positions): `dense`, every tensor of the state, as verl's own first
+    sync (vLLM reloads a dense update layer by layer). Nothing to send yields nothing: verl's
     adapters then only record the step.
     """
-    pending: dict[tuple[str, torch.dtype], _Pending] = {}
-    ready: _Pending | None = None
-
-    def entries() -> Iterator[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]]:
-        for name, (positions, values) in update.sparse.items():
-            whole = positions.dtype != torch.int32  # verl's positions are int32
-            yield name, tuple(state[name].shape), None if whole else positions, state[name] if whole else values
+    entries: list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]] = []
+    if update.base is not None and all(state[n].numel() < 2**31 for n in update.names):
+        for name, (changed, values) in update.sparse.items():
+            entries.append((name, tuple(state[name].shape), changed, values))
         for name, tensor in update.whole.items():
-            yield name, tuple(tensor.shape), None, tensor
-
-    for name, shape, positions, values in entries():
-        key = ("indices" if positions is not None else "dense", values.dtype)
+            entries.append((name, tuple(tensor.shape), torch.arange(tensor.numel(), dtype=torch.int32), tensor))
+    else:
+        entries = [(name, tuple(t.shape), None, t) for name, t in state.items()]
+    pending: dict[torch.dtype, _Pending] = {}
+    ready: _Pending | None = None
+    for name, shape, positions, values in entries:
         size = values.nbytes + (4 * values.numel() if positions is not None else 0)
-        gathering = pending.get(key)
+        gathering = pending.get(values.dtype)
         if gathering is not None and gathering.nbytes + size > bucket_bytes:
             if ready is not None:
                 yield ready.named_tensors(), False
-            ready = pending.pop(key)
+            ready = pending.pop(values.dtype)
             gathering = None
         if gathering is None:
-            gathering = pending[key] = _Pending(key[0], values.dtype)
+            gathering = pending[values.dtype] = _Pending("indices" if positions is not None else "dense", values.dtype)
         gathering.add(name, shape, positions, values)
     for gathering in pending.values():
         if ready is not None:

@@ -21,7 +21,7 @@ patch crosses once into a regional mirror (`stores:`) and R times without one. A
 reported apart. Contracts (exit 1 when broken): bit-exact every step; pulsesync's bytes per patch
 step <= 0.5x delta_sharded's and <= 0.05x nccl's, on every workload.
 
-    python bench/verl.py --quick --json out.json   # 2 workloads x 8 steps, a 0.1B model, < 1 minute
+    python bench/verl_sync.py --quick --json out.json   # 2 workloads x 8 steps, a 0.1B model, < 1 minute
 """
 
 from __future__ import annotations
