@@ -43,7 +43,7 @@ def test_against_a_held_base_every_flush_lists_positions_and_rebuilds_the_state(
     changed = {"embed.weight": torch.arange(0, 300 * 64, 97)}
     update = build_update(1, after, digest, base, changed)
     assert set(update.sparse) == {"embed.weight"} and set(update.whole) == {"norm.weight"}
-    flushes = list(delta_flushes(update, after, bucket_bytes=1 << 10))
+    flushes = list(delta_flushes(update, after, digest.tensors, bucket_bytes=1 << 10))
     assert [last for _, last in flushes] == [False] * (len(flushes) - 1) + [True]
     assert {spec(named)["encoding"] for named, _ in flushes} == {"indices"}  # verl's vLLM consumer refuses a mix
     held = {name: t.clone() for name, t in before.items()}
@@ -58,8 +58,8 @@ def test_against_a_held_base_every_flush_lists_positions_and_rebuilds_the_state(
 
 def test_without_a_base_every_tensor_goes_dense() -> None:
     _, after = states()
-    update = build_update(0, after, state_digest(after), None, None)
-    flushes = list(delta_flushes(update, after, bucket_bytes=1 << 20))
+    digest = state_digest(after)
+    flushes = list(delta_flushes(build_update(0, after, digest, None, None), after, digest.tensors, 1 << 20))
     names = [p["name"] for named, _ in flushes for p in spec(named)["params"]]  # type: ignore[attr-defined]
     assert sorted(names) == sorted(after) and {spec(named)["encoding"] for named, _ in flushes} == {"dense"}
     held = {name: torch.zeros_like(t) for name, t in after.items()}
@@ -71,4 +71,17 @@ def test_without_a_base_every_tensor_goes_dense() -> None:
 def test_nothing_changed_yields_nothing() -> None:
     _, after = states()
     digest = state_digest(after)
-    assert list(delta_flushes(build_update(2, after, digest, digest, None), after, bucket_bytes=1 << 20)) == []
+    assert list(delta_flushes(build_update(2, after, digest, digest, None), after, digest.tensors, 1 << 20)) == []
+
+
+def test_tied_tensors_travel_in_one_flush() -> None:
+    """vLLM's loader refuses `lm_head.weight` (tied) in a load without `model.embed_tokens.weight`."""
+    gen = torch.Generator().manual_seed(1)
+    embed = torch.randn(256, 64, generator=gen).bfloat16()
+    layer = torch.randn(64, 64, generator=gen).bfloat16()
+    state = {"model.embed_tokens.weight": embed, "layer.weight": layer, "lm_head.weight": embed}
+    digest = state_digest(state)
+    flushes = list(delta_flushes(build_update(0, state, digest, None, None), state, digest.tensors, 1 << 10))
+    assert len(flushes) == 2  # each over the bucket: the tied pair together, the layer apart
+    together = [{p["name"] for p in spec(named)["params"]} for named, _ in flushes]  # type: ignore[attr-defined]
+    assert {"model.embed_tokens.weight", "lm_head.weight"} in together

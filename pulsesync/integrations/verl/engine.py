@@ -80,7 +80,7 @@ class PulseSyncCheckpointEngine:
         update = receiver.update_for_engine(served)
         receiver.engine_holds = None  # unknown from the first flush the adapter takes until it took the last
         flushes: Iterator[Any] = (
-            delta_flushes(update, served.state, self.bucket_size)
+            delta_flushes(update, served.state, served.digest.tensors, self.bucket_size)
             if self.wire_format == "delta_flush"
             else whole_tensors(update, served.state)
         )

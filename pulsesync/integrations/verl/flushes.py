@@ -74,14 +74,18 @@ class _Pending:
         return [*named, ("__values__", values)]
 
 
-def delta_flushes(update: WeightUpdate, state: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[Flush]:
+def delta_flushes(
+    update: WeightUpdate, state: Mapping[str, torch.Tensor], digests: Mapping[str, object], bucket_bytes: int
+) -> Iterator[Flush]:
     """The update to `state` as verl `delta_flush` flushes, all of one encoding (verl's vLLM consumer refuses a mix).
 
     Against a base the engine holds: `indices`, a tensor that changed whole listing every position.
     Without one (`update.base` None: every tensor whole), or when a changed tensor has 2^31 elements
     or more (past verl's int32 positions): `dense`, every tensor of the state, as verl's own first
-    sync (vLLM reloads a dense update layer by layer). Nothing to send yields nothing: verl's
-    adapters then only record the step.
+    sync (vLLM reloads a dense update layer by layer). Tensors of equal `digests` (tied embeddings:
+    `lm_head.weight` and `model.embed_tokens.weight`) travel in one flush: vLLM's loader refuses a
+    load that holds a tied alias without the tensor it is tied to. Nothing to send yields nothing:
+    verl's adapters then only record the step.
     """
     entries: list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]] = []
     if update.base is not None and all(state[n].numel() < 2**31 for n in update.names):
@@ -91,19 +95,24 @@ def delta_flushes(update: WeightUpdate, state: Mapping[str, torch.Tensor], bucke
             entries.append((name, tuple(tensor.shape), torch.arange(tensor.numel(), dtype=torch.int32), tensor))
     else:
         entries = [(name, tuple(t.shape), None, t) for name, t in state.items()]
+    groups: dict[object, list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]]] = {}
+    for entry in entries:  # equal digests are equal dtypes too: a group fits one flush's values
+        groups.setdefault(digests.get(entry[0], entry[0]), []).append(entry)
     pending: dict[torch.dtype, _Pending] = {}
     ready: _Pending | None = None
-    for name, shape, positions, values in entries:
-        size = values.nbytes + (4 * values.numel() if positions is not None else 0)
-        gathering = pending.get(values.dtype)
+    for group in groups.values():
+        dtype = group[0][3].dtype
+        size = sum(v.nbytes + (4 * v.numel() if p is not None else 0) for _, _, p, v in group)
+        gathering = pending.get(dtype)
         if gathering is not None and gathering.nbytes + size > bucket_bytes:
             if ready is not None:
                 yield ready.named_tensors(), False
-            ready = pending.pop(values.dtype)
+            ready = pending.pop(dtype)
             gathering = None
         if gathering is None:
-            gathering = pending[values.dtype] = _Pending("indices" if positions is not None else "dense", values.dtype)
-        gathering.add(name, shape, positions, values)
+            gathering = pending[dtype] = _Pending("indices" if group[0][2] is not None else "dense", dtype)
+        for name, shape, positions, values in group:
+            gathering.add(name, shape, positions, values)
     for gathering in pending.values():
         if ready is not None:
             yield ready.named_tensors(), False

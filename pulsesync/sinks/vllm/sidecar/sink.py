@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -100,53 +100,79 @@ class VLLMSink(Sink):
         async with self._engine() as (session, serving):
             held = await session.held()
             if held is not None and held.digest == update.digest.root:  # a restarted sidecar, or a failed reset
-                await self._reset_prefix_cache(serving, update)
+                await self._reset_prefix_cache(serving, update.step)
                 await serving.resume()  # a no-op unless our own failed delivery left it paused
                 return
             if await serving.is_sleeping():
                 raise EngineError(f"vllm sink: {serving.where} is sleeping; step {update.step} not delivered")
             started = time.perf_counter()
             layouts = await session.layouts()
-            aliases = reply_field(layouts[0], "aliases", dict, f"vllm sink: the layout of {session.where}")
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-                raise EngineError(f"vllm sink: {session.where} answered aliases {str(aliases)[:300]!r}")
-            skip = self._aliases(update, aliases)
+            skip = self._aliases(update, self._aliases_of(layouts[0], session.where))
             base = update.previous_digest if held is not None and update.previous_digest is not None else None
             if base is not None and held is not None and base.root != held.digest:
                 base = None  # the engine holds neither this state nor the previous one: send everything
             changed = update.changes.positions if base is not None and update.changes is not None else None
             weights = build_update(update.step, update.state, update.digest, base, changed, skip)
-            regions = [self._regions(layout, rank, update, session.where) for rank, layout in enumerate(layouts)]
-            elsewhere = [self._elsewhere(layout, session.where) for layout in layouts]
-            cut = base is not None and (any(regions) or any(elsewhere))  # a full update: vLLM's loader shards it
-            cuts = enumerate(zip(regions, elsewhere, strict=True))
-            parts = [weights.for_rank(rank, g, e) for rank, (g, e) in cuts] if cut else [weights]
-            self.config.update_dir.mkdir(parents=True, exist_ok=True)
-            paths = [self.config.update_dir / f"update-{update.step:012d}.{i}.safetensors" for i in range(len(parts))]
-            for path, part in zip(paths, parts, strict=True):
-                replace_with(path, partial(_save, part))
-            target = HeldPolicy(update.step, update.digest.root)
-            try:
-                await session.stage([str(p) for p in paths], target)  # read, validated, prepared: still serving
-                pausing = time.perf_counter()
-                seconds = {"prepare": pausing - started, "paused_at": time.time()}
-                async with serving.paused():
-                    applying = time.perf_counter()
-                    replies = await session.apply(target)
-                    resetting = time.perf_counter()
-                    await self._reset_prefix_cache(serving, update)
-                    seconds |= {"apply": resetting - applying, "reset": time.perf_counter() - resetting}
-                seconds["pause"] = time.perf_counter() - pausing  # from asking for the pause to the resume's reply
-                self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes, replies, seconds)
-            finally:
-                for path in paths:
-                    path.unlink(missing_ok=True)  # the workers read them; they can be model-sized
+            shapes = {name: tuple(tensor.shape) for name, tensor in update.state.items()}
+            await self._send(session, serving, layouts, weights, shapes, started)
 
-    async def _reset_prefix_cache(self, serving: Serving, update: Update) -> None:
+    async def send(self, weights: WeightUpdate, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Hand the engine an update made elsewhere (verl's flushes, decoded): its base must be what it holds.
+
+        The names the engine ties to another are left out, as a delivery leaves them out.
+        """
+        async with self._engine() as (session, serving):
+            started = time.perf_counter()
+            layouts = await session.layouts()
+            for alias in self._aliases_of(layouts[0], session.where):
+                weights.whole.pop(alias, None)
+                weights.sparse.pop(alias, None)
+            await self._send(session, serving, layouts, weights, shapes, started)
+
+    async def _send(
+        self,
+        session: EngineSession,
+        serving: Serving,
+        layouts: list[dict[str, Any]],
+        weights: WeightUpdate,
+        shapes: Mapping[str, tuple[int, ...]],
+        started: float,
+    ) -> None:
+        """Cut the update per worker (a delta), write, stage, then apply and reset inside the pause."""
+        step = weights.step
+        regions = [self._regions(layout, rank, shapes, session.where) for rank, layout in enumerate(layouts)]
+        elsewhere = [self._elsewhere(layout, session.where) for layout in layouts]
+        cut = weights.base is not None and (any(regions) or any(elsewhere))  # a full update: vLLM's loader shards it
+        cuts = enumerate(zip(regions, elsewhere, strict=True))
+        parts = [weights.for_rank(rank, g, e) for rank, (g, e) in cuts] if cut else [weights]
+        self.config.update_dir.mkdir(parents=True, exist_ok=True)
+        paths = [self.config.update_dir / f"update-{step:012d}.{i}.safetensors" for i in range(len(parts))]
+        for path, part in zip(paths, parts, strict=True):
+            replace_with(path, partial(_save, part))
+        target = HeldPolicy(step, weights.digest)
+        try:
+            await session.stage([str(p) for p in paths], target)  # read, validated, prepared: still serving
+            pausing = time.perf_counter()
+            seconds = {"prepare": pausing - started, "paused_at": time.time()}
+            async with serving.paused():
+                applying = time.perf_counter()
+                replies = await session.apply(target)
+                resetting = time.perf_counter()
+                await self._reset_prefix_cache(serving, step)
+                seconds |= {"apply": resetting - applying, "reset": time.perf_counter() - resetting}
+            seconds["pause"] = time.perf_counter() - pausing  # from asking for the pause to the resume's reply
+            self.last_update = SentUpdate(weights.step, weights.base, weights.nbytes, replies, seconds)
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)  # the workers read them; they can be model-sized
+
+    async def _reset_prefix_cache(self, serving: Serving, step: int) -> None:
         if not await serving.reset_prefix_cache():
-            raise EngineError(f"vllm sink: {serving.where} holds step {update.step} but did not reset its prefix cache")
+            raise EngineError(f"vllm sink: {serving.where} holds step {step} but did not reset its prefix cache")
 
-    def _regions(self, layout: dict[str, Any], rank: int, update: Update, where: str) -> dict[str, Region]:
+    def _regions(
+        self, layout: dict[str, Any], rank: int, shapes: Mapping[str, tuple[int, ...]], where: str
+    ) -> dict[str, Region]:
         """The regions the worker of this rank (the replies come in rank order) holds, checked against the state."""
         where = f"vllm sink: the layout of {where}"
         if layout.get("rank", rank) != rank:
@@ -157,9 +183,9 @@ class VLLMSink(Sink):
                 out[name] = region = Region.from_reply(spec)
             except ValueError as e:
                 raise EngineError(f"{where} answered, for {name!r}: {e}") from None
-            tensor = update.state.get(name)
-            if tensor is not None and tuple(tensor.shape) != region.shape:
-                raise EngineError(f"{where} answered region {spec!r} for {name!r}, which is {tuple(tensor.shape)}")
+            shape = shapes.get(name)
+            if shape is not None and shape != region.shape:
+                raise EngineError(f"{where} answered region {spec!r} for {name!r}, which is {shape}")
         return out
 
     def _elsewhere(self, layout: dict[str, Any], where: str) -> set[str]:
@@ -168,6 +194,13 @@ class VLLMSink(Sink):
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise EngineError(f"vllm sink: the layout of {where} answered elsewhere {str(names)[:300]!r}")
         return set(names)
+
+    def _aliases_of(self, layout: dict[str, Any], where: str) -> dict[str, str]:
+        """The names the engine ties to another (`{alias: name}`), from a worker's layout."""
+        aliases = reply_field(layout, "aliases", dict, f"vllm sink: the layout of {where}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+            raise EngineError(f"vllm sink: {where} answered aliases {str(aliases)[:300]!r}")
+        return aliases
 
     def _aliases(self, update: Update, aliases: dict[str, str]) -> set[str]:
         """Names the engine ties to another: sent once, and only when the state agrees they are equal."""
