@@ -63,11 +63,13 @@ class PulseSyncCheckpointEngine:
                 raise ConfigError(f"{_KWARGS}.publisher: the actor side needs it")
             self._sender = StepSender(self.settings.publisher)
         step = global_steps if global_steps is not None else self._last_step + 1
-        if hasattr(weights, "__aiter__"):
-            pairs = [(name, tensor) async for name, tensor in weights]  # transient: kept only if this rank owns it
-            state = self._sender.keep_share(pairs)
+        share, state = self._sender.share(), dict[str, torch.Tensor]()
+        if hasattr(weights, "__aiter__"):  # verl's engines yield either; each tensor is kept only by its owner
+            async for name, tensor in weights:
+                share.keep(state, name, tensor)
         else:
-            state = self._sender.keep_share(weights)
+            for name, tensor in weights:
+                share.keep(state, name, tensor)
         metrics = await asyncio.to_thread(self._sender.publish, step, state)
         self._last_step = step
         return metrics

@@ -10,7 +10,6 @@ rank 0). No rank holds more than its share; a world of one publishes the whole m
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -35,6 +34,11 @@ class TensorShare:
         heapq.heappush(self._loads, (held + tensor.nbytes, owner))
         return owner == self.rank
 
+    def keep(self, state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+        """Copy the tensor to host memory into `state` if this rank owns it (the stream's tensors are transient)."""
+        if self.owns(tensor):
+            state[name] = tensor.detach().to("cpu", copy=True)
+
 
 class StepSender:
     """Publishes verl's steps from one actor rank (blocking: verl's async method runs it in a thread)."""
@@ -43,11 +47,9 @@ class StepSender:
         self.config = config
         self._publisher: Any = None
 
-    def keep_share(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """This rank's tensors of the stream, copied to host memory as they pass (the stream's are transient)."""
-        rank, world = _rank_and_world()
-        share = TensorShare(rank, world)
-        return {name: t.detach().to("cpu", copy=True) for name, t in weights if share.owns(t)}
+    def share(self) -> TensorShare:
+        """How this rank deals the next step's stream of tensors."""
+        return TensorShare(*_rank_and_world())
 
     def publish(self, step: int, state: dict[str, torch.Tensor]) -> dict[str, float]:
         """Publish this rank's share of `step` and wait for the step's commit; what it cost, for verl's metrics."""
