@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,20 @@ def test_each_side_names_the_settings_it_lacks() -> None:
 
     with pytest.raises(ConfigError, match=r"pulsesync\.subscriber: the rollout side needs it"):
         asyncio.run(receive())
+
+
+def test_get_weights_before_any_step_names_what_is_missing(tmp_path: Path) -> None:
+    from pulsesync.errors import PolicyLagError
+    from pulsesync.protocol.signing import write_keypair
+
+    _, public, _ = write_keypair(tmp_path / "keys")
+    subscriber = {"store": {"url": (tmp_path / "store").as_uri()}, "trusted_keys": [str(public)]}
+    engine = PulseSyncCheckpointEngine(bucket_size=1 << 20, subscriber=subscriber)
+
+    async def cached() -> None:
+        async for _ in engine.get_weights():
+            pass
+
+    with pytest.raises(PolicyLagError, match="holds no verified step yet"):
+        asyncio.run(cached())
+    engine.close()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pulsesync.config import validate_config
-from pulsesync.errors import ConfigError
+from pulsesync.errors import ConfigError, PolicyLagError
 from pulsesync.integrations.verl.config import VerlBackendConfig
 from pulsesync.integrations.verl.flushes import delta_flushes, whole_tensors
 from pulsesync.integrations.verl.receiver import StepReceiver
@@ -94,7 +94,7 @@ class PulseSyncCheckpointEngine:
         """The held verified state, whole (verl's cached variant: partial rollouts update from it)."""
         served = self._receiving().subscriber.served
         if served is None:
-            raise ConfigError("get_weights: no step received yet (receive_weights comes first)")
+            raise PolicyLagError("get_weights: this rollout worker holds no verified step yet (receive_weights first)")
         for name, tensor in served.state.items():
             yield name, tensor
 
