@@ -29,8 +29,8 @@ async def test_subscribers_in_two_regions_are_bit_exact_past_a_lying_and_a_laggi
     # again until the next lands), the patches of the spoiled syncs, and markers and listings.
     share = {kind: sent / run["patch_bytes"] for kind, sent in run["egress_by_kind"].items()}
     assert 2.0 <= share["mirrors: patches"] <= 2.1
-    # Each fallback fetched at most 2 patches from the origin (a subscriber a step behind chains two). A slow
-    # machine adds fallbacks (a withheld payload outwaited again), not bytes per fallback.
-    assert 0 < share["subscribers: patches"] <= 2 * run["fallbacks"]["a"] / args.steps * 1.5
+    # Each fallback fetched patches only, never an anchor (~127 patches here): a few, as a subscriber some
+    # steps behind (more on a loaded machine) chains them.
+    assert 0 < share["subscribers: patches"] <= 4 * run["fallbacks"]["a"] / args.steps
     assert sum(v for k, v in share.items() if not k.endswith("patches")) <= 0.15
     assert result["origin_egress_over_patch"] == pytest.approx(sum(share.values()))
