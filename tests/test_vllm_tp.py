@@ -14,8 +14,11 @@ the fast path, the chain path and the full update, the engine's greedy logprobs 
 reload ended, the launch checkpoint read again): each leaves the engine answering exactly as
 before, and the next sync succeeds. Last, the engine restarts on its launch checkpoint under the
 running daemon (killed with -9 when tied, stopped cleanly when untied): with nothing published
-both ranks hold step 6 again within `poll_seconds` and one full delivery, answering as the fresh
-step-6 server did.
+both ranks hold step 6 again within `poll_seconds` and one full delivery, answering as they did
+before. Untied, the run goes from the fast path straight to step 6 (the chain path) and then
+restarts: what tying changes is which tensors travel and how the head is rebuilt (slow, fast and
+chain paths, a full update); the faults and the directory restart do not depend on it, and run
+once, tied.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: P
     # the engine does once updated to its step.
     references = {
         s: VLLMServer(tmp_path / "checkpoints" / f"checkpoint-{s}", tmp_path / f"reference-{s}.log", 2)
-        for s in (3, 6)  # the fast path, and a full update after a restart (step 5 is compared with the restart)
+        for s in ((3, 6) if tied else (3,))  # the fast path; a full update after a restart (5: the restart)
     }
     engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", tensor_parallel=2, engine_api="weight_transfer")
     proxy = EngineProxy(engine.url)
@@ -122,30 +125,9 @@ async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: P
         if path == "/update_weights" and (part := updates / "update-000000000004.1.safetensors").exists():
             part.write_bytes(part.read_bytes()[:100])
 
-    try:
-        for server in [engine, *references.values()]:
-            server.launch()
-        for server in [engine, *references.values()]:
-            server.ready()
-        slow = await asyncio.to_thread(
-            cli, "subscribe", "--config", str(tmp_path / "subscribe.yaml"), "--once", "--step", "2"
-        )
-        assert slow.returncode == 0, slow.stderr
-        assert json.loads(slow.stdout)["path"] == "slow"
-        await synced(2)
-
-        sub = Subscriber(SubscriberConfig.model_validate(config))
-        vllm_sink = next(s for s in sub.sinks if isinstance(s, VLLMSink))
-        await sub.start()
-        assert (await sub.sync(3)).path == "fast"
-        sent = vllm_sink.last_update
-        assert sent is not None and sent.base == roots[2] and len(sent.workers) == 2
-        received = [int(w["received_bytes"]) for w in sent.workers]
-        kept = [int(w["kept_bytes"]) for w in sent.workers]
-        print(f"fast path: update {sent.nbytes} bytes; each worker received {received} and keeps {kept}")
-        assert all(r <= 0.6 * sent.nbytes for r in received)  # its share (plus replicated norms), not all of it
-        await synced(3)
-
+    async def faults_chain_and_a_directory_restart() -> None:
+        """Steps 4-6: a truncated file rolled back, the chain path under a request, a restart, a failed full update."""
+        nonlocal engine
         # Rank 1's update file is truncated: rank 0 applied its part, and rolls it back.
         proxy.before_forward = truncate_rank_1
         with pytest.raises(EngineError, match=r"step 4 failed on rank 1 .*every rank is back on step 3"):
@@ -183,6 +165,35 @@ async def test_tensor_parallel_vllm_serves_every_step_from_its_share(tmp_path: P
         assert (await sub.sync(6)).step == 6
         assert vllm_sink.last_update is not None and vllm_sink.last_update.base is None
         await synced(6)
+
+    try:
+        for server in [engine, *references.values()]:
+            server.launch()
+        for server in [engine, *references.values()]:
+            server.ready()
+        slow = await asyncio.to_thread(
+            cli, "subscribe", "--config", str(tmp_path / "subscribe.yaml"), "--once", "--step", "2"
+        )
+        assert slow.returncode == 0, slow.stderr
+        assert json.loads(slow.stdout)["path"] == "slow"
+        await synced(2)
+
+        sub = Subscriber(SubscriberConfig.model_validate(config))
+        vllm_sink = next(s for s in sub.sinks if isinstance(s, VLLMSink))
+        await sub.start()
+        assert (await sub.sync(3)).path == "fast"
+        sent = vllm_sink.last_update
+        assert sent is not None and sent.base == roots[2] and len(sent.workers) == 2
+        received = [int(w["received_bytes"]) for w in sent.workers]
+        kept = [int(w["kept_bytes"]) for w in sent.workers]
+        print(f"fast path: update {sent.nbytes} bytes; each worker received {received} and keeps {kept}")
+        assert all(r <= 0.6 * sent.nbytes for r in received)  # its share (plus replicated norms), not all of it
+        await synced(3)
+        if tied:
+            await faults_chain_and_a_directory_restart()
+        else:
+            assert (await sub.sync(6)).path == "chain"
+            await synced(6)
         assert not references  # each was compared
 
         def restart() -> None:  # on the launch checkpoint: a crash when tied, a clean stop when untied
