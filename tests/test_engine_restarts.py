@@ -73,3 +73,40 @@ async def test_a_restarted_engine_gets_the_served_state_at_the_next_poll(
         await sub.close()
         await pub.close()
         await engines[-1].stop()
+
+
+async def test_an_engine_back_while_a_newer_step_fails_to_sync_is_served_it_without_the_backoff(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    """Steps published while the engine is down fail to sync and back off (1, 2, 4, 8 s); the engine that comes
+    back is asked on every poll tick of the wait and gets the newest step within a tick and one delivery."""
+    store = FileStore(tmp_path / "store")
+    pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=store, signing_key=key)
+    await pub.start()
+    await publish(pub, range(4))
+    engine = VLLMStandIn(module_holding(trainer_states(STATES)[0]))
+    await engine.start()
+    sink = VLLMSink(VLLMSinkConfig(url=engine.url, update_dir=tmp_path / "updates", timeout_seconds=10))
+    config = FAST_RETRY.model_copy(
+        update={"poll_seconds": 0.1, "fleet_status": False, "retry_initial_seconds": 1.0, "retry_max_seconds": 60.0}
+    )
+    sub = Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]), sinks=[sink])
+    stop, engines = asyncio.Event(), [engine]
+    sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
+    try:
+        await wait_for(lambda: sub.step == 3 and engine.weight_version.startswith("pulsesync:3:"), "step 3", sub=sub)
+        await engine.stop()
+        await publish(pub, range(4, 6))
+        await wait_for(lambda: sub.status.consecutive_failures >= 4, "four failed syncs to step 5", 20)
+        restarted = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engine.port)  # its launch weights
+        engines.append(restarted)
+        await restarted.start()  # the daemon is now in an 8 s backoff
+        step5 = HeldPolicy(5, state_digest(trainer_states(STATES)[5]).root)
+        await wait_for(lambda: sub.step == 5, "the engine back holds step 5, served", 2.5, sub=sub)
+        assert restarted.weight_version == step5.version and restarted.held_digests == [(5, step5.digest)]
+    finally:
+        stop.set()
+        await sub.task  # type: ignore[attr-defined]
+        await sub.close()
+        await pub.close()
+        await engines[-1].stop()

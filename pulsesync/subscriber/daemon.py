@@ -58,6 +58,8 @@ class Follower(Protocol):
 
     async def bring_back_engines(self) -> int: ...
 
+    async def engines_answering(self) -> frozenset[int]: ...
+
     async def sync(self, target: int | None = None) -> SyncResult: ...
 
     async def scrub(self) -> list[str]: ...
@@ -86,15 +88,26 @@ class _MetAgain(stop_base):
 def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | None = None) -> AsyncRetrying:
     """The retry policy of failed syncs: exponential backoff, retry_initial_seconds doubling to retry_max_seconds.
 
-    Each failure is recorded (status, metrics, log); a set `stop` cuts a backoff wait short. With
+    Each failure is recorded (status, metrics, log); a set `stop`, or an engine that answers again, cuts a
+    backoff wait short. With
     a bound on `attempts`, an error another try would meet again is raised at once.
     """
 
     async def sleep(seconds: float) -> None:
         if stop is None:
             return await asyncio.sleep(seconds)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), seconds)
+        # A step that keeps failing must not keep a restarted engine on its launch weights: it gets the served
+        # state first. A sync that failed because an engine was down would fail until it answers, and succeed
+        # at once then: an engine that comes back during the wait ends it (asked every poll tick, a version
+        # read), and the sync tried again sends it the new step whole, one delivery.
+        if follower.served is not None:
+            await _bring_back_engines(follower)
+        loop = asyncio.get_running_loop()
+        deadline, answering = loop.time() + seconds, await follower.engines_answering()
+        while not stop.is_set() and (left := deadline - loop.time()) > 0:
+            await _wait(stop, min(left, follower.config.poll_seconds))
+            if await follower.engines_answering() - answering:
+                return
 
     def failed(state: RetryCallState) -> None:
         assert state.outcome is not None
@@ -178,10 +191,6 @@ async def run(follower: Follower, stop: asyncio.Event) -> None:
             try:
                 async for attempt in retrying(follower, None, stop):  # until a sync succeeds or stop is set
                     with attempt:
-                        if (
-                            attempt.retry_state.attempt_number > 1 and follower.served is not None
-                        ):  # a step that keeps failing
-                            await _bring_back_engines(follower)
                         if not stop.is_set():
                             result = await follower.sync()
             except NothingPublishedError as e:  # the start of a run: poll on at the usual interval

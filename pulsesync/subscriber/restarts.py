@@ -6,7 +6,9 @@ what its engine holds (`Sink.holds`: a version string, never a worker RPC); an e
 anything other than the served state gets the whole of it at once, without waiting for the next
 publish. Directory sinks run again too (a no-op for a step they hold), since engine sinks such
 as SGLang's load the directory they write. A restart is counted and logged once at INFO; an
-engine that does not answer (still starting) is asked again at the next tick.
+engine that does not answer (still starting) is asked again at the next tick. While failed syncs back off,
+the daemon asks on every tick which engines answer (`answering`): one that comes back ends the wait, so a
+step that failed to reach it while it was down reaches it within a tick, not after the backoff.
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ class RestartWatch:
             else:
                 found.append(sink)
         return found
+
+    async def answering(self, served: VerifiedState) -> frozenset[int]:
+        """The sinks (by index) whose engine answers now, whatever it holds."""
+        found = set()
+        for i, sink in enumerate(self.sinks):
+            try:
+                await sink.holds(served)
+            except PulseSyncError:
+                continue
+            found.add(i)
+        return frozenset(found)
 
     async def bring_back(self, served: VerifiedState) -> int:
         """Deliver `served` whole to every engine that lost it; how many did. A failed delivery raises (EngineError)."""

@@ -178,6 +178,11 @@ class Subscriber:
             return 0
         return await self.restarts.bring_back(served)
 
+    async def engines_answering(self) -> frozenset[int]:
+        """The sinks (by index) whose engine answers now (`restarts.py`); none before a state is served."""
+        served = self.held.served
+        return frozenset() if served is None else await self.restarts.answering(served)
+
     # --- scrub, health, daemon -------------------------------------------------------------------
     async def scrub(self, bytes_per_second: float | None = None, piece_bytes: int = 64 << 20) -> list[str]:
         """Re-hash the whole served state against its digest, paced; returns the tensors that differ (`scrub.py`)."""
