@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 
 from pulsesync.codec import StepHistory, UndoLog, apply_parts, apply_patch
+from pulsesync.codec.history_file import read_history
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.dtypes import dense_bytes
 from pulsesync.errors import ForeignStreamError, IntegrityError, MissingReferenceError, NotFoundError, PulseSyncError
@@ -33,6 +34,7 @@ from pulsesync.verified import HoldsVerified, VerifiedState
 
 log = logging.getLogger("pulsesync.chain")
 DECODE_MARGIN_BYTES = 64 << 20  # above 1.5x the held state: room for new tensors and positions
+HISTORY_BYTES_PER_ELEMENT = 12  # a history holds at most a position (4) and a delta (<= 8) per element
 MAX_ANCHORS_TRIED = 3  # a slow path passes at most this many failing anchors before it gives up
 
 
@@ -45,10 +47,19 @@ class Reconstruction(HoldsVerified):
     patches_applied: int
 
 
-async def load_anchor(
-    fetcher: Fetcher, manifest: AnchorManifest
-) -> tuple[dict[str, torch.Tensor], StateDigest, dict[str, bytes]]:
-    """The anchor's state (digest checked) and its non-weight files.
+@dataclass
+class LoadedAnchor:
+    """An anchor's state (digest checked), its non-weight files, and the history of its step's patch if it
+    carries one (the reference of the next patch)."""
+
+    state: dict[str, torch.Tensor]
+    digest: StateDigest
+    files: dict[str, bytes]
+    history: StepHistory | None
+
+
+async def load_anchor(fetcher: Fetcher, manifest: AnchorManifest) -> LoadedAnchor:
+    """The anchor's state (digest checked), its non-weight files and the history it carries.
 
     Each shard streams to a temporary file with parallel ranged GETs where the store has them,
     its SHA-256 checked on the way, and is read back and deleted before the next: memory and
@@ -56,6 +67,7 @@ async def load_anchor(
     """
     state: dict[str, torch.Tensor] = {}
     files: dict[str, bytes] = {}
+    histories: list[bytes] = []
     assembly: Assembly | None = None
     total = sum(ref.size for ref in manifest.objects)
     with (
@@ -64,6 +76,10 @@ async def load_anchor(
     ):
         for ref in manifest.objects:
             name = ref.key.rsplit("/", 1)[-1]
+            if ref.key in manifest.histories:
+                histories.append(await fetcher.fetch(ref))
+                shown.advance(ref.size)
+                continue
             if not name.endswith(WEIGHT_SUFFIX):
                 files[name] = await fetcher.fetch(ref)
                 shown.advance(ref.size)
@@ -91,7 +107,21 @@ async def load_anchor(
     digest = await asyncio.to_thread(state_digest, state, manifest.state_digest.algorithm, fetcher.threads)
     check_digest(digest, manifest.state_digest, f"anchor {manifest.step}")
     files.pop(INDEX_FILE, None)  # describes the shards, which a reader lays out anew
-    return state, digest, files
+    return LoadedAnchor(state, digest, files, _read_histories(manifest, histories, state))
+
+
+def _read_histories(
+    manifest: AnchorManifest, objects: list[bytes], state: dict[str, torch.Tensor]
+) -> StepHistory | None:
+    """The step history an anchor's history objects hold together (None when it carries none)."""
+    if not objects:
+        return None
+    tensors = {name: (t.numel(), t.element_size()) for name, t in state.items()}
+    bound = HISTORY_BYTES_PER_ELEMENT * sum(n for n, _ in tensors.values()) + DECODE_MARGIN_BYTES
+    history = StepHistory()
+    for key, data in zip(manifest.histories, objects, strict=True):
+        history.patches.update(read_history(data, f"anchor {manifest.step}: {key}", bound, tensors).patches)
+    return history
 
 
 async def apply_step(
@@ -185,12 +215,13 @@ async def reconstruct(chain: ChainClient, step: int | None = None, anchors: int 
                 )
             if not links and "patch" in ready.get(target, ()):  # the step's commit says which state it is
                 await _check_anchor_is_commit(chain, anchor)
-            state, digest, files = await load_anchor(chain.fetcher, anchor)
+            loaded = await load_anchor(chain.fetcher, anchor)
         except (IntegrityError, NotFoundError) as e:
             failed[walk.end] = e
             log.warning("anchor %d: %s: %s; trying the anchor before it", walk.end, type(e).__name__, e)
             continue
-        digest, history = await apply_chain(chain.fetcher, state, digest, links)
+        state, files = loaded.state, loaded.files
+        digest, history = await apply_chain(chain.fetcher, state, loaded.digest, links, reference=loaded.history)
         return Reconstruction(VerifiedState(target, state, digest, files, history), walk.end, len(links))
     raise failed[min(failed)]
 
@@ -219,7 +250,7 @@ async def apply_chain(
 
     With `undo`, one log per patch started is appended there, so the caller can roll back.
     With `applied`, each patch applied is appended there with its bytes (the state cache's journal).
-    `reference` is the history of the patch that produced `state` (None after an anchor).
+    `reference` is the history of the patch that produced `state` (after an anchor, what it carries).
     Returns the new digest and the last patch's history.
     """
     if not links:

@@ -75,8 +75,10 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
     assert {k.rsplit("/", 1)[0] + "/" for k in anchors} == {layout.anchor_dir(s, run) for s in (0, 10, 20)}
     for step in (0, 10, 20):
         names = {k.rsplit("/", 1)[1] for k in anchors if k.startswith(layout.anchor_dir(step, run))}
-        shards = names - anchor_files
-        assert anchor_files <= names and len(shards) >= 2 and all(n.startswith("model-0000") for n in shards)
+        # An anchor added to a patch step carries that patch's history (the reference of the next patch).
+        history = {"patch-history-00000.safetensors.zst"} if step else set()
+        shards = names - anchor_files - history
+        assert anchor_files | history <= names and len(shards) >= 2 and all(n.startswith("model-0000") for n in shards)
     assert sorted(keys) == sorted([*patches, *anchors, *marker_keys(kinds), layout.POINTER_KEY])
     assert await store.get(layout.POINTER_KEY) == layout.pointer_body(29)  # the newest commit
 
@@ -93,6 +95,8 @@ async def test_thirty_steps_make_exactly_the_expected_objects_and_every_step_reb
                 assert manifest.objects[0].key == layout.patch_key(step, run)
             else:
                 assert isinstance(manifest, AnchorManifest) and manifest.codec.shards >= 2
+                carried = [layout.anchor_dir(step, run) + "patch-history-00000.safetensors.zst"] if step else []
+                assert manifest.histories == carried
                 anchors_so_far.append(step)
     await assert_every_step_rebuilds(store, key, trainer_states(30))
     assert [r.step for r in publisher.reports if r.kind == "anchor"] == [0, 10, 20]

@@ -102,6 +102,10 @@ async def test_every_layout_publishes_from_every_rank_and_subscribers_see_the_wh
     pub = tmp_path / "key" / "publisher.pub"
     for name in layouts.split(","):
         await follow(out / name, pub, list(range(STEPS)), nproc)
+        # Step 3's anchor carries every rank's part history, the reference of step 4's parts wherever a
+        # history-coded record is smaller (the fresh subscriber above rebuilt step 4 from that anchor).
+        anchor = parse_manifest((out / name / "store" / layout.anchor_ready_key(3)).read_bytes())
+        assert isinstance(anchor, AnchorManifest) and len(anchor.histories) == nproc, name
 
 
 @pytest.mark.parametrize("relaunched_on", [2, 4])

@@ -3,8 +3,8 @@
 Adam's momentum makes the same weights change again, in the same direction, step after step: a
 record coded against the previous patch's positions and deltas of the same chunk is ~2x smaller
 (docs/benchmarks.md). Both ends hold the `PatchHistory` of the last patch: the publisher from
-encoding it, the subscriber from applying it. The patch after an anchor is never history-coded,
-so a subscriber that starts from an anchor needs no reference it has not applied itself. A sharded
+encoding it, the subscriber from applying it, or from the anchor of the step, which carries it
+(`history_file`): a subscriber that starts from an anchor holds the reference of the next patch. A sharded
 step's parts each have their own (`StepHistory`): a rank codes its part against its own part of
 the step before, and the chunks of strided pieces repeat across ranks.
 """

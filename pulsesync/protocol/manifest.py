@@ -125,6 +125,8 @@ class _ManifestBase(_Strict):
         fields = self.model_dump(mode="json")
         if fields.get("reference", False) is None:
             del fields["reference"]
+        if fields.get("histories", None) == []:
+            del fields["histories"]
         if isinstance(fields.get("codec"), dict) and fields["codec"].get("records", False) is None:
             del fields["codec"]["records"]
         return fields
@@ -170,6 +172,17 @@ class AnchorManifest(_ManifestBase):
 
     kind: Literal["anchor"] = "anchor"
     codec: AnchorFormat
+    # Keys of the objects (among `objects`) that hold the history of the step's patch (one per patch
+    # object; codec/history_file.py), so the next patch is history-coded. Omitted from the JSON when
+    # empty: an anchor of a step that was not committed as a patch carries none.
+    histories: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _histories_are_objects(self) -> AnchorManifest:
+        keys = {o.key for o in self.objects}
+        if missing := [k for k in self.histories if k not in keys]:
+            raise ValueError(f"history {missing[0]!r} is not one of the anchor's objects")
+        return self
 
 
 Manifest = Annotated[PatchManifest | AnchorManifest, Field(discriminator="kind")]

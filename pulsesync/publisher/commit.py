@@ -67,8 +67,11 @@ def patch_manifest(
     )
 
 
-def anchor_manifest(step: int, refs: list[ObjectRef], digest: StateDigest, sizes: Sizes, shards: int) -> AnchorManifest:
-    """The manifest of an anchor: the HF-layout files under its folder."""
+def anchor_manifest(
+    step: int, refs: list[ObjectRef], digest: StateDigest, sizes: Sizes, shards: int, histories: list[str]
+) -> AnchorManifest:
+    """The manifest of an anchor: the HF-layout files under its folder, and which of them hold the step's patch
+    history (`histories`, keys among `refs`)."""
     return AnchorManifest(
         step=step,
         objects=refs,
@@ -76,6 +79,7 @@ def anchor_manifest(step: int, refs: list[ObjectRef], digest: StateDigest, sizes
         sizes=sizes,
         created_at=utc_now(),
         codec=AnchorFormat(shards=shards),
+        histories=histories,
     )
 
 

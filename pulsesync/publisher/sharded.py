@@ -32,7 +32,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import mixsum
-from pulsesync.codec import PatchHistory, encode_part
+from pulsesync.codec import PatchHistory, StepHistory, encode_part
+from pulsesync.codec.history_file import HISTORY_FILE, history_bytes
 from pulsesync.digest import INCREMENTAL, StateDigest, moved_digest, summed_digest
 from pulsesync.dtypes import State, flat_bits
 from pulsesync.errors import ConfigError, ConflictError, PulseSyncError
@@ -66,6 +67,7 @@ class _Part:
     lanes: list[tuple[str, tuple[int, int]]] = field(default_factory=list)  # digest lane sums (anchor) or moves
     changed: int = 0
     codings: dict[str, int] = field(default_factory=dict)
+    history: str = ""  # an anchor's: the key of the object holding this rank's part history of the step, if any
 
 
 @dataclass
@@ -223,9 +225,12 @@ class ShardedRounds(Rounds):
             self._dense_bytes = sum(ps[0].tensor_bytes for ps in self._layout.values())
             pieces = {p.name: p for ps in self._layout.values() for p in ps if p.rank == self.rank}
             self._raw, self._keep = raw, frozenset(pieces)
+        # An anchor added to a step whose patch round committed carries each rank's part history: the next
+        # parts are history-coded as if there were no anchor.
+        history = self._history if kind == "anchor" and self._base_step == snap.step else None
         t0, report.started = time.perf_counter(), time.time()
         try:
-            part = await (self._anchor_part(snap, pieces) if kind == "anchor" else self._patch_part(snap))
+            part = await (self._anchor_part(snap, pieces, history) if kind == "anchor" else self._patch_part(snap))
         except PulseSyncError as e:
             part = _Part(self.rank, error=f"{type(e).__name__}: {e}")
         report.encode_s = time.perf_counter() - t0
@@ -251,9 +256,9 @@ class ShardedRounds(Rounds):
         if self._base is not None and self._base is not snap:
             self.pool.release(self._base.state)
         self._base, self._pieces, self._base_root, self._base_step = snap, pieces, done.root, snap.step
-        # A part after an anchor is coded without a reference, as a patch is: a subscriber that starts
-        # from the anchor holds none.
-        self._history = self._encoded if kind == "patch" else None
+        # A part after an anchor that carries its rank's history is coded against it; after one in place of a
+        # patch, without a reference, as a patch is: a subscriber that starts from the anchor holds none.
+        self._history = self._encoded if kind == "patch" else history
         self._anchor_next = False
         if kind == "anchor":
             self._schedule.anchor_started()
@@ -283,10 +288,11 @@ class ShardedRounds(Rounds):
         ref = ObjectRef.for_bytes(key, encoded.data)
         return _Part(self.rank, "", [ref], list(encoded.lanes.items()), encoded.changed_elements, encoded.codings)
 
-    async def _anchor_part(self, snap: HostCopy, pieces: dict[str, Piece]) -> _Part:
-        """Write this rank's pieces as its file of the anchor and upload it."""
+    async def _anchor_part(self, snap: HostCopy, pieces: dict[str, Piece], history: PatchHistory | None) -> _Part:
+        """Write this rank's pieces as its file of the anchor and upload it, and its part's `history` beside."""
+        carried = await self._upload_history(snap.step, history) if history is not None else None
         if not pieces:
-            return _Part(self.rank)
+            return _Part(self.rank, "", [carried] if carried else [], history=carried.key if carried else "")
         if missing := sorted(set(pieces) - set(snap.state)):
             raise PulseSyncError(f"anchor {snap.step}: rank {self.rank} owns {missing[0]!r} but did not copy it")
         sums = [(n, await asyncio.to_thread(_piece_sums, p, snap.state[n])) for n, p in sorted(pieces.items())]
@@ -302,7 +308,17 @@ class ShardedRounds(Rounds):
                 key = layout.anchor_dir(snap.step, self.run_id) + name
                 done = await self.store.upload_file(key, path, progress=shown.transfer)
         ref = ObjectRef(key=done.key, size=done.size, sha256=done.sha256)
-        return _Part(self.rank, "", [ref], sums, sum(p.length for p in pieces.values()))
+        objects = [ref, carried] if carried else [ref]
+        return _Part(
+            self.rank, "", objects, sums, sum(p.length for p in pieces.values()), {}, carried.key if carried else ""
+        )
+
+    async def _upload_history(self, step: int, history: PatchHistory) -> ObjectRef:
+        """Upload this rank's part history of `step` as an object of the step's anchor."""
+        data = await asyncio.to_thread(history_bytes, StepHistory.of(history))
+        key = layout.anchor_dir(step, self.run_id) + HISTORY_FILE.format(part=self.rank)
+        await self.store.put(key, data)
+        return ObjectRef.for_bytes(key, data)
 
     # --- rank 0: the commit ----------------------------------------------------------------------
     async def _commit_on_root(self, snap: HostCopy, kind: layout.Kind, parts: list[_Part]) -> _Outcome:
@@ -332,7 +348,8 @@ class ShardedRounds(Rounds):
             for name, data in sorted(self._files.items()):
                 await self.store.put(prefix + name, data)
                 refs.append(ObjectRef.for_bytes(prefix + name, data))
-            manifest: Any = anchor_manifest(snap.step, refs, digest, sizes, shards=len(parts))
+            histories = [p.history for p in parts if p.history]
+            manifest: Any = anchor_manifest(snap.step, refs, digest, sizes, len(parts), histories)
         else:
             assert self._digest is not None
             digest = moved_digest(self._digest, lanes)

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsesync import metrics, state_cache
 from pulsesync.codec import PatchHistory, StepHistory, encode, read_header
+from pulsesync.codec.history_file import HISTORY_FILE, history_bytes
 from pulsesync.digest import INCREMENTAL, StateDigest, state_digest
 from pulsesync.dtypes import State, dense_bytes
 from pulsesync.errors import ConflictError, PulseSyncError
@@ -59,8 +60,8 @@ class WholeModelRounds(Rounds):
         self._background: asyncio.Task[None] | None = None
         self._base: VerifiedState | None = None  # the last committed state: what every subscriber can hold
         self._ready: dict[int, set[layout.Kind]] = {}  # the prefix's commits up to our newest, from `scan`
-        # What the base step's patch changed, and that patch: the reference of the next patch. None
-        # after an anchor, so a subscriber that starts from the anchor decodes its successor.
+        # What the base step's patch changed, and that patch: the reference of the next patch (an anchor added
+        # to the step carries it). None after an anchor in place of a patch: there is no patch to code against.
         self._history: PatchHistory | None = None
         self._history_ref: ObjectRef | None = None
         self._schedule = AnchorSchedule(config.anchor_interval, config.anchor_bytes_budget)
@@ -162,9 +163,10 @@ class WholeModelRounds(Rounds):
         self._schedule.patch_committed(report.wire_bytes)
         if self._schedule.due and (self._background is None or self._background.done()):
             self._schedule.anchor_started()
-            self._history = None
             self.pool.retain(snap.state)  # released when the anchor is done
-            self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest))
+            # The anchor carries this step's patch history: the next patch is history-coded all the same.
+            history = StepHistory.of(self._history) if self._history is not None else None
+            self._background = asyncio.create_task(self._background_anchor(snap.step, snap.state, digest, history))
 
     async def _full_digest(self, state: State) -> StateDigest:
         codec = self.config.codec
@@ -256,9 +258,16 @@ class WholeModelRounds(Rounds):
         return full
 
     async def _publish_anchor(
-        self, step: int, state: State, digest: StateDigest, timing: StepTiming, step_committed: bool = False
+        self,
+        step: int,
+        state: State,
+        digest: StateDigest,
+        timing: StepTiming,
+        step_committed: bool = False,
+        history: StepHistory | None = None,
     ) -> None:
-        """Write, upload and commit an anchor: the step's commit, or (`step_committed`) an anchor added to it."""
+        """Write, upload and commit an anchor: the step's commit, or (`step_committed`) an anchor added to it,
+        carrying the history of the step's patch."""
         report = StepReport(step, "anchor", snapshot_s=timing.snapshot_s, digest_s=timing.digest_s)
         report.dense_bytes = dense_bytes(state)
         report.elements = report.changed_elements = sum(t.numel() for t in state.values())
@@ -270,6 +279,9 @@ class WholeModelRounds(Rounds):
                 names = await asyncio.to_thread(
                     write_model_dir, state, spool, self.config.shard_size, dict(self._files)
                 )
+                if history is not None:
+                    names.append(HISTORY_FILE.format(part=0))
+                    (spool / names[-1]).write_bytes(await asyncio.to_thread(history_bytes, history))
             except OSError as e:  # e.g. the spool disk is full: this anchor fails, the publisher goes on
                 raise PulseSyncError(f"anchor {step}: cannot write its shards to {spool} ({e})") from e
             digest = await self._anchor_digest(step, state, digest)
@@ -283,7 +295,9 @@ class WholeModelRounds(Rounds):
             t2 = time.perf_counter()
             report.wire_bytes = sum(r.size for r in refs)
             shards = sum(1 for n in names if n.endswith(WEIGHT_SUFFIX))
-            await self._commit(anchor_manifest(step, refs, digest, report.sizes(), shards), step_committed)
+            histories = [prefix + HISTORY_FILE.format(part=0)] if history is not None else []
+            manifest = anchor_manifest(step, refs, digest, report.sizes(), shards, histories)
+            await self._commit(manifest, step_committed)
             report.encode_s, report.upload_s, report.commit_s = t1 - t0, t2 - t1, time.perf_counter() - t2
             report.ok = True
             self._schedule.anchor_committed(step)
@@ -294,10 +308,12 @@ class WholeModelRounds(Rounds):
             shutil.rmtree(spool, ignore_errors=True)
             self._record(report)
 
-    async def _background_anchor(self, step: int, state: dict[str, torch.Tensor], digest: StateDigest) -> None:
+    async def _background_anchor(
+        self, step: int, state: dict[str, torch.Tensor], digest: StateDigest, history: StepHistory | None
+    ) -> None:
         """The anchor of a step whose patch is committed; the chain goes on while it uploads."""
         try:
-            await self._publish_anchor(step, state, digest, StepTiming(0.0, 0.0), step_committed=True)
+            await self._publish_anchor(step, state, digest, StepTiming(0.0, 0.0), True, history)
         except ConflictError as e:
             self.fatal = e
             log.error("anchor %d: %s", step, e)
