@@ -32,6 +32,7 @@ from pulsesync.subscriber.config import SubscriberConfig
 from pulsesync.subscriber.fleet import FleetReporter
 from pulsesync.subscriber.paths import SyncPath, SyncResult
 from pulsesync.subscriber.poll import PointerPoll
+from pulsesync.subscriber.restarts import RestartWatch
 from pulsesync.subscriber.status import SubscriberStatus
 from pulsesync.subscriber.stores import StoreList
 from pulsesync.verified import VerifiedState
@@ -47,6 +48,7 @@ class Follower(Protocol):
     poll: PointerPoll | None
     fleet: FleetReporter | None
     stores: StoreList
+    restarts: RestartWatch
 
     @property
     def step(self) -> int: ...
@@ -57,8 +59,6 @@ class Follower(Protocol):
     async def start(self) -> None: ...
 
     async def bring_back_engines(self) -> int: ...
-
-    async def engines_answering(self) -> frozenset[int]: ...
 
     async def sync(self, target: int | None = None) -> SyncResult: ...
 
@@ -103,10 +103,10 @@ def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | Non
         if follower.served is not None:
             await _bring_back_engines(follower)
         loop = asyncio.get_running_loop()
-        deadline, answering = loop.time() + seconds, await follower.engines_answering()
+        deadline, answering = loop.time() + seconds, await follower.restarts.answering()
         while not stop.is_set() and (left := deadline - loop.time()) > 0:
             await _wait(stop, min(left, follower.config.poll_seconds))
-            if await follower.engines_answering() - answering:
+            if await follower.restarts.answering() - answering:
                 return
 
     def failed(state: RetryCallState) -> None:

@@ -21,6 +21,7 @@ from pulsesync import metrics
 from pulsesync.errors import PulseSyncError
 from pulsesync.sinks import Sink, Update
 from pulsesync.sinks.directory import DirectorySink
+from pulsesync.subscriber.held import HeldState
 from pulsesync.subscriber.status import SubscriberStatus
 from pulsesync.verified import VerifiedState
 
@@ -33,6 +34,7 @@ class RestartWatch:
 
     sinks: list[Sink]
     status: SubscriberStatus  # its engine_restarts counts the engines found restarted since start
+    held: HeldState  # the served state: what every engine should hold
     silent: set[int] = field(default_factory=set)  # sinks (by index) whose engine did not answer at the last tick
     lost: set[int] = field(default_factory=set)  # sinks whose engine was found without the served state, not back yet
     seconds: float = 0.0  # the last bring-back's deliveries, from the first to the last sink
@@ -55,9 +57,11 @@ class RestartWatch:
                 found.append(sink)
         return found
 
-    async def answering(self, served: VerifiedState) -> frozenset[int]:
-        """The sinks (by index) whose engine answers now, whatever it holds."""
-        found = set()
+    async def answering(self) -> frozenset[int]:
+        """The sinks (by index) whose engine answers now, whatever it holds; none before a state is served."""
+        served, found = self.held.served, set()
+        if served is None:
+            return frozenset()
         for i, sink in enumerate(self.sinks):
             try:
                 await sink.holds(served)

@@ -77,7 +77,7 @@ class Subscriber:
         self.sinks = sinks if sinks is not None else build_sinks(sink_configs)
         self.held = HeldState()
         self.status = SubscriberStatus()
-        self.restarts = RestartWatch(self.sinks, self.status)
+        self.restarts = RestartWatch(self.sinks, self.status, self.held)
         self.cache = CacheWriter(config.cache_dir, config.cache_journal_ratio, self.held) if config.cache_dir else None
         self.syncing = Sync(self.stores, self.held, Delivery(self.sinks, self.held), self.cache, self.status)
         self._warm_up: asyncio.Future[list[None]] | None = None
@@ -177,11 +177,6 @@ class Subscriber:
         if served is None or self._sync_started is not None:
             return 0
         return await self.restarts.bring_back(served)
-
-    async def engines_answering(self) -> frozenset[int]:
-        """The sinks (by index) whose engine answers now (`restarts.py`); none before a state is served."""
-        served = self.held.served
-        return frozenset() if served is None else await self.restarts.answering(served)
 
     # --- scrub, health, daemon -------------------------------------------------------------------
     async def scrub(self, bytes_per_second: float | None = None, piece_bytes: int = 64 << 20) -> list[str]:
