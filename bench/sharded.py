@@ -104,6 +104,25 @@ def warm_up_codec() -> None:
 
 
 ROUNDS = 3  # publishing rounds per started world: a round costs ~2 s, starting a world ~15 s (its states)
+RELAUNCH_AT = 2  # the relaunch round's first publisher commits steps 0..2; the relaunched one (resume) goes on
+
+
+def relaunch(out: Path, config: Any, states: list[dict[str, torch.Tensor]], declared: dict[str, Any]) -> int:
+    """Publish steps 0..RELAUNCH_AT, close, and publish the rest from a new publisher with `resume` (a relaunched
+    job: its pieces rebuilt from the store); returns this rank's bytes uploaded for the first step after it."""
+    from pulsesync.publisher import Publisher
+    from pulsesync.store import FileStore
+
+    store = FileStore(out / "relaunch")
+    for steps, resume in ((range(RELAUNCH_AT + 1), False), (range(RELAUNCH_AT + 1, len(states)), True)):
+        publisher = Publisher(config.model_copy(update={"resume": resume}), store=store, declared=declared)
+        for step in steps:
+            publisher.publish(step, dict(states[step]))
+            publisher.flush()
+        publisher.close()
+    (first,) = [r for r in publisher.reports if r.step == RELAUNCH_AT + 1]
+    assert first.kind == "patch" and first.ok, first
+    return first.wire_bytes
 
 
 def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None:
@@ -140,7 +159,7 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss("VmRSS")
-    step_s, parts, peak = [], [], 0
+    step_s, parts, sizes, peak = [], [], [], 0
     for r in range(rounds):
         store = FileStore(out / f"store-{r}")
         publisher = Publisher(config, store=store, declared=declared if world > 1 else None)
@@ -154,6 +173,7 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
         patches = [p for p in publisher.reports if p.kind == "patch" and p.ok]
         step_s.append(took[1:])  # the patch steps: step 0 is the anchor
         parts.append([(p.started, p.encode_s) for p in patches])
+        sizes = [p.wire_bytes for p in patches]
         del publisher
         if not r:  # the peak of one round: later rounds' publishers reuse (or add to) the freed heap
             peak = _rss("VmHWM") - before
@@ -164,6 +184,9 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
         "peak_bytes": peak,
         "step_s": step_s,  # per round, per patch step: publish() until flush() returns
         "parts": parts,  # per round, per patch step: (wall-clock start, seconds) of making this rank's objects
+        "part_bytes": sizes,  # per patch step: this rank's part
+        # A relaunch on as many ranks (the timed run only): this rank's part of the first step after it.
+        "relaunch_part_bytes": relaunch(out, config, states, declared) if world > 1 and rounds > 1 else None,
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -197,6 +220,13 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
     default_peak = max(r["peak_bytes"] / r["shard_bytes"] for r in timed)
     peak = max(r["peak_bytes"] / r["shard_bytes"] for r in sized)
     params = sum(torch.Size(s).numel() for s in llm_like_shapes(hidden, layers, vocab=96 * hidden).values())
+    relaunched = None
+    if world > 1:  # the first step after a relaunch on as many ranks, against the same step uninterrupted
+        uploaded = sum(r["relaunch_part_bytes"] for r in timed)
+        uninterrupted = sum(r["part_bytes"][RELAUNCH_AT] for r in timed)
+        path, read = asyncio.run(relaunch_read(out / "timed"))
+        relaunched = {"bytes": uploaded, "uninterrupted_bytes": uninterrupted, "subscriber_path": path}
+        relaunched |= {"subscriber_bytes_read": read, "over_uninterrupted": uploaded / uninterrupted}
     return {
         "world": world,
         "parameters": params,
@@ -207,7 +237,25 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
         "peak_over_shard_default_malloc": default_peak,
         "bit_exact": exact,
         "part_bytes_over_unsharded_steps": over_unsharded,
+        "relaunch": relaunched,
     }
+
+
+async def relaunch_read(out: Path) -> tuple[str, int]:
+    """A subscriber of the relaunch's store holding the step before it: its path and the bytes it reads for the
+    first step after the relaunch (its marker and objects)."""
+    from pulsesync.store import FileStore
+    from pulsesync.subscriber import Subscriber
+    from pulsesync.subscriber.config import SubscriberConfig
+
+    trusted = signing.trusted_keys([out / "key" / "publisher.pub"])
+    sub = Subscriber(SubscriberConfig(), store=FileStore(out / "relaunch"), trusted=trusted)
+    await sub.sync(RELAUNCH_AT)
+    before = sub.stores.chain.fetcher.bytes_downloaded
+    result = await sub.sync(RELAUNCH_AT + 1)
+    read = sub.stores.chain.fetcher.bytes_downloaded - before
+    await sub.close()
+    return result.path.value, read
 
 
 def parts_overlap(ranks: list[dict[str, Any]]) -> float:
@@ -301,6 +349,9 @@ def main() -> None:
         "parts_overlap_2_ranks": two["parts_overlap"] if two else None,
         # The 2-rank patches' bytes over an unsharded publish of the same states, the worst step.
         "part_bytes_over_unsharded": max(two["part_bytes_over_unsharded_steps"]) if two else None,
+        # A relaunch on 2 ranks (resume): the bytes its first step uploads over the same step uninterrupted.
+        "relaunch_bytes_over_uninterrupted": two["relaunch"]["over_uninterrupted"] if two else None,
+        "relaunch_subscriber_bytes_read": two["relaunch"]["subscriber_bytes_read"] if two else None,
         "runs": {str(w): r for w, r in runs.items()},
         "quick": args.quick,
     }
@@ -319,6 +370,16 @@ def main() -> None:
         contracts.append(Contract("2 ranks' parts made at the same time (overlap)", overlap, 0.5, at_most=False))
         over = result["part_bytes_over_unsharded"]
         contracts.append(Contract("2-rank part bytes / unsharded, worst step", over, 1.05))
+        relaunched = two["relaunch"]
+        print(
+            f"relaunch on 2 ranks (resume): step {RELAUNCH_AT + 1} uploads {relaunched['bytes']:,} bytes, "
+            f"uninterrupted {relaunched['uninterrupted_bytes']:,}; a subscriber holding step {RELAUNCH_AT} reads "
+            f"{relaunched['subscriber_bytes_read']:,} bytes ({relaunched['subscriber_path']} path)"
+        )
+        over = result["relaunch_bytes_over_uninterrupted"]
+        contracts.append(Contract("relaunch: first step's bytes / uninterrupted", over, 1.05))
+        fast = float(relaunched["subscriber_path"] == "fast")
+        contracts.append(Contract("relaunch: subscribers' path to its first step is fast (1)", fast, 1, at_most=False))
     enforce(contracts)
 
 

@@ -42,6 +42,8 @@ def torchrun(tmp_path: Path, nproc: int, layouts: str, *extra: str, fails: bool 
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert (done.returncode != 0) == fails, (done.stdout + done.stderr)[-6000:]
+    with (tmp_path / "torchrun.log").open("a") as log:  # every run's, for what the ranks logged
+        log.write(done.stdout + done.stderr)
     return out
 
 
@@ -109,22 +111,59 @@ async def test_every_layout_publishes_from_every_rank_and_subscribers_see_the_wh
 
 
 @pytest.mark.parametrize("relaunched_on", [2, 4])
-async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_restarted_job_is_served(
+async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_relaunched_job_resumes_with_a_patch(
     tmp_path: Path, relaunched_on: int
 ) -> None:
-    """No marker for the step a rank died in; the relaunched job (on 4 ranks: resharded) starts with an anchor."""
+    """No marker for the step a rank died in; the relaunched job (on 4 ranks: resharded) rebuilds its pieces of
+    the newest committed step from the store and publishes a patch against it: subscribers take the fast path."""
     kill = 2
     torchrun(tmp_path, 2, "fsdp2", "--kill-step", str(kill), fails=True)
     root = tmp_path / "out" / "fsdp2"
     assert not (root / "store" / layout.commit_key(kill)).exists()
-    torchrun(tmp_path, relaunched_on, "fsdp2", "--first-step", str(kill + 1))  # the job, relaunched
+    torchrun(tmp_path, relaunched_on, "fsdp2", "--first-step", str(kill + 1), "--resume")  # the job, relaunched
     ready = markers(root)
     assert layout.commit_key(kill).split("/")[1] not in ready
     restart = ready[layout.commit_key(kill + 1).split("/")[1]]
-    assert isinstance(restart, AnchorManifest)  # the restart starts with an anchor
+    assert isinstance(restart, PatchManifest) and restart.base_step == kill - 1  # a patch on the last commit
+    assert len(restart.objects) == relaunched_on
+    assert "resumed at step 1 from anchor 0 and 1 patches" in (tmp_path / "torchrun.log").read_text()
     pub = tmp_path / "key" / "publisher.pub"
-    # Step 1's state is held when the restart's anchor arrives: no patch links them, so the slow path.
-    ready = markers(root)
-    parts = {len(m.objects) for m in ready.values() if isinstance(m, PatchManifest)}
-    assert parts == {2, relaunched_on}
-    await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 0, ["slow", "fast", "slow", "fast"])
+    await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 0, ["slow", "fast", "fast", "fast"])
+
+
+async def test_a_job_relaunched_on_as_many_ranks_publishes_the_bytes_an_uninterrupted_run_does(tmp_path: Path) -> None:
+    """Stopped after step 2 and relaunched with `resume`: steps 3 (a patch, then an anchor) and 4 are the
+    uninterrupted run's parts, byte for byte (each rank's part history rebuilt from the store)."""
+    torchrun(tmp_path / "whole", 2, "fsdp2")
+    torchrun(tmp_path / "relaunched", 2, "fsdp2", "--steps", "3")
+    torchrun(tmp_path / "relaunched", 2, "fsdp2", "--first-step", "3", "--resume")
+    runs = [markers(tmp_path / run / "out" / "fsdp2") for run in ("whole", "relaunched")]
+    for step in (3, 4):
+        name = layout.commit_key(step).split("/")[1]
+        commits = [run[name] for run in runs]
+        assert all(isinstance(c, PatchManifest) for c in commits)
+        assert [o.sha256 for o in commits[0].objects] == [o.sha256 for o in commits[1].objects]  # type: ignore[union-attr]
+
+
+async def test_a_relaunch_whose_rebuilt_pieces_do_not_prove_publishes_an_anchor_and_says_why(tmp_path: Path) -> None:
+    """A byte of the anchor's pieces flipped in the store: the ranks' rebuilt pieces do not compose to the signed
+    digest, so nothing is published against them; the relaunch's first step is an anchor, served bit for bit."""
+    torchrun(tmp_path, 2, "fsdp2", "--steps", "3")
+    root = tmp_path / "out" / "fsdp2"
+    (piece,) = (root / "store" / "anchors").glob("000000000000/*/pieces-00000-of-00002.safetensors")
+    data = bytearray(piece.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 10] ^= 0x01
+    piece.write_bytes(bytes(data))
+    torchrun(tmp_path, 2, "fsdp2", "--first-step", "3", "--resume")
+    assert isinstance(markers(root)[layout.commit_key(3).split("/")[1]], AnchorManifest)
+    said = (tmp_path / "torchrun.log").read_text()
+    assert "step 3: not resumed at step 2 (the ranks' rebuilt pieces compose to digest" in said
+    sub = Subscriber(
+        SubscriberConfig(),
+        store=FileStore(root / "store"),
+        trusted=signing.trusted_keys([tmp_path / "key" / "publisher.pub"]),
+    )
+    assert (await sub.sync(3)).path == "slow"
+    assert sub.state is not None
+    assert_states_equal(sub.state, load_file(str(root / "full-3.safetensors")))
+    await sub.close()

@@ -17,7 +17,7 @@ import lazy_loader
 __getattr__, __dir__, __all__ = lazy_loader.attach(
     __name__,
     submod_attrs={
-        "apply": ["UndoLog", "apply_parts", "apply_patch", "apply_record"],
+        "apply": ["UndoLog", "apply_parts", "apply_patch", "apply_record", "apply_records_of"],
         "changes": ["Changes"],
         "encoder": ["EncodedPart", "EncodedPatch", "encode", "encode_part", "encode_patch"],
         "format": ["FORMAT_VERSION", "PatchHeader", "RecordHeader", "RecordKind", "ValueCoding"],
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     )
     from pulsesync.codec.apply import (
         apply_record as apply_record,
+    )
+    from pulsesync.codec.apply import (
+        apply_records_of as apply_records_of,
     )
     from pulsesync.codec.changes import Changes as Changes
     from pulsesync.codec.encoder import (

@@ -421,6 +421,33 @@ def apply_parts(
     return update_digest(base_digest, state, moved, [], expected)
 
 
+def apply_records_of(
+    state: MutableMapping[str, torch.Tensor],
+    patch: bytes | memoryview,
+    *,
+    reference: StepHistory | None,
+    history: PatchHistory | None,
+    threads: int | None = 1,
+    max_decoded_bytes: int | None = None,
+) -> None:
+    """Apply, in place, the chunk records of a patch or a sharded step's part whose tensor `state` holds; skip the rest.
+
+    What a relaunched rank rebuilding its pieces tensor by tensor applies (`publisher/pieces_rebuild.py`):
+    no digest is checked here, the caller proves what it rebuilt against the step's signed digest.
+    `reference` holds (at least) these tensors' chunks of the history the header names; an empty
+    `history` collects theirs. A whole-tensor record of a held tensor raises CorruptPatchError.
+    """
+    parser = PatchDecoder(max_decoded_bytes)
+    raw_records = parser.split(patch)
+    header = parser.finish()
+    against = reference.get(header.reference_sha256) if reference is not None else None
+    _check_reference(header.reference_sha256, against, "patch" if header.part is None else f"part {header.part}")
+    held = [(h, payload) for h, payload in raw_records if h.name in state]
+    if whole := [h.name for h, _ in held if h.kind not in _CHUNK_KINDS]:
+        raise CorruptPatchError(f"tensor {whole[0]!r} has a whole-tensor record: its pieces cannot be patched")
+    _apply_records(state, parser, held, len(patch), None, against, history, threads, False, False)
+
+
 def _check_reference(sha256: str | None, held: PatchHistory | None, what: str) -> None:
     """MissingReferenceError unless a patch coded against the patch of `sha256` has that patch's history."""
     if sha256 is not None and (held is None or held.sha256 != sha256):

@@ -12,8 +12,9 @@ of pulsesync's own, never the trainer's collectives):
 4. every rank moves its baseline only to a committed step.
 
 A rank that fails, hangs past `sharding.timeout_seconds` or dies fails the step on every rank (no
-marker); the job's restart publishes an anchor first. docs/sharding.md has the protocol and the
-failure table.
+marker); the job's relaunch with `resume` takes up the chain at its newest committed step (each
+rank's pieces rebuilt from the store, `pieces_rebuild.py`), without it publishes an anchor first.
+docs/sharding.md has the protocol and the failure table.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ from pulsesync.model_dir import PIECES_FILE, write_pieces
 from pulsesync.progress import phase
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.chain import ChainClient
-from pulsesync.protocol.manifest import ObjectRef, Sizes
+from pulsesync.protocol.fetcher import Fetcher
+from pulsesync.protocol.manifest import AnchorManifest, ObjectRef, PatchManifest, Sizes
 from pulsesync.publisher.commit import anchor_manifest, marker_key, patch_manifest, write_ready_marker
 from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.coordinator import Coordinator
 from pulsesync.publisher.host_copy import HostCopy, HostCopyPool, read_files
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
+from pulsesync.publisher.pieces_rebuild import rebuild_pieces
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.rounds import Record, Rounds
 from pulsesync.publisher.schedule import AnchorSchedule
@@ -135,6 +138,8 @@ class ShardedRounds(Rounds):
         self._dense_bytes = 0  # of the whole model, from the layout
         self._files = read_files({p.name: p for p in config.extra_files})  # rank 0: what anchors carry
         self._guard: PrefixGuard | None = None
+        self._resume_from: int | None = None  # the committed step a relaunched job takes up (`resume`)
+        self._resumed: PatchManifest | AnchorManifest | None = None  # rank 0: that step's commit
 
     async def _collective(self, call: Callable[[Any], Any], obj: Any) -> Any:
         """A blocking collective, off the event loop."""
@@ -147,10 +152,13 @@ class ShardedRounds(Rounds):
         found = await self._collective(self._coordinator.broadcast, found)
         if isinstance(found, BaseException):
             raise found
-        self.stream_id, self.run_id, last_step = found
+        self.stream_id, self.run_id, last_step, newest = found
+        # A relaunched job (`resume`) takes up the chain at its newest committed step once its pieces are known:
+        # at the first publish (`_resume`).
+        self._resume_from = newest if self.config.resume else None
         return int(last_step)
 
-    async def _start_on_root(self) -> tuple[str, str, int] | PulseSyncError:
+    async def _start_on_root(self) -> tuple[str, str, int, int | None] | PulseSyncError:
         """Rank 0: the prefix's stream to continue (or a new one) and the newest step in it."""
         assert self._key is not None
         chain = ChainClient(self.store, signing.trusted_keys([self._key.public_key()]), self.config.codec.threads or 1)
@@ -166,7 +174,89 @@ class ShardedRounds(Rounds):
             assert found is not None
             stream, last = found[1].stream_id or stream, newest
         chain.stream_id = stream
-        return stream, secrets.token_hex(4), last
+        return stream, secrets.token_hex(4), last, newest
+
+    async def _resume(self, snap: HostCopy, raw: dict[str, Piece]) -> None:
+        """Take up the chain at its newest committed step, in place of a first anchor.
+
+        Every rank rebuilds the pieces it now owns from the store (`pieces_rebuild.py`: its share,
+        tensor by tensor), and the ranks' lane sums together must compose to the step's signed digest;
+        then the first step is a patch against them. Anything else (a step that cannot be rebuilt,
+        pieces that do not prove) leaves the baseline empty, logged with why on every rank: the first
+        step is an anchor, as without `resume`.
+        """
+        step, self._resume_from = self._resume_from, None
+        assert step is not None
+        per_rank: list[list[Piece]] = await self._collective(self._coordinator.all_gather, list(raw.values()))
+        placed = validate(per_rank)
+        pieces = {p.name: p for ps in placed.values() for p in ps if p.rank == self.rank}
+        found = await self._chain_on_root(step) if self.rank == 0 else None
+        found = await self._collective(self._coordinator.broadcast, found)
+        rebuilt, sums, error = None, [], found if isinstance(found, str) else ""
+        t0 = time.perf_counter()
+        if not error:
+            anchor, links = found
+            fetcher = Fetcher(self.store, self.config.codec.threads or 1)
+            try:
+                rebuilt = await rebuild_pieces(fetcher, anchor, links, pieces, snap.state, self.rank, self.world)
+                for name, piece in sorted(pieces.items()):
+                    sums.append((name, await asyncio.to_thread(_piece_sums, piece, rebuilt.state[name])))
+            except PulseSyncError as e:
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        gathered = await self._collective(self._coordinator.all_gather, (error, sums))
+        proved = self._prove_on_root(step, placed, gathered) if self.rank == 0 else None
+        root, why = await self._collective(self._coordinator.broadcast, proved)
+        if not root or rebuilt is None:
+            log.warning("step %d: not resumed at step %d (%s); publishing an anchor", snap.step, step, why)
+            return
+        anchor, links = found
+        self._layout, self._pieces, self._raw, self._keep = placed, pieces, raw, frozenset(pieces)
+        self._dense_bytes = sum(ps[0].tensor_bytes for ps in placed.values())
+        self._base = HostCopy(step, rebuilt.state, 0.0, {}, raw)
+        self._base_root, self._base_step, self._history = root, step, rebuilt.history
+        self._committed_step, self._anchor_next = step, False
+        self._schedule.resume({anchor.step: {"anchor"}} | {link.step: {"patch"} for link in links})
+        log.info(
+            "resumed at step %d from anchor %d and %d patches: rank %d read %d bytes in %.1f s (history %s)",
+            step,
+            anchor.step,
+            len(links),
+            self.rank,
+            rebuilt.bytes_read,
+            time.perf_counter() - t0,
+            "rebuilt" if rebuilt.history is not None else "none: the parts were cut otherwise",
+        )
+
+    async def _chain_on_root(self, step: int) -> tuple[AnchorManifest, list[PatchManifest]] | str:
+        """Rank 0: the verified anchor and patches `step` is rebuilt from, and its signed digest; or why not."""
+        assert self._chain is not None
+        try:
+            ready = await self._chain.ready()
+            walk, links = await self._chain.walk(step, lambda s: "anchor" in ready.get(s, ()))
+            if not walk.complete:
+                return f"step {walk.end} of its chain is not ready"
+            anchor = await self._chain.manifest(walk.end, "anchor")
+            assert isinstance(anchor, AnchorManifest)
+            self._resumed = await self._chain.commit_manifest(step)
+        except PulseSyncError as e:
+            return f"{type(e).__name__}: {e}"
+        return anchor, links
+
+    def _prove_on_root(
+        self, step: int, placed: dict[str, list[Piece]], gathered: list[tuple[str, list[tuple[str, tuple[int, int]]]]]
+    ) -> tuple[str, str]:
+        """Rank 0: the digest the ranks' rebuilt pieces compose to, if it is the step's signed one ("" and why not)."""
+        if errors := [error for error, _ in gathered if error]:
+            return "", "; ".join(errors)
+        assert self._resumed is not None
+        kinds = {name: (ps[0].dtype, ps[0].shape) for name, ps in placed.items()}
+        lanes = [lane for _, sums in gathered for lane in sums]
+        digest = summed_digest(self.config.codec.digest_algorithm, kinds, lanes)
+        signed = self._resumed.state_digest
+        if digest.root != signed.root:
+            return "", f"the ranks' rebuilt pieces compose to digest {digest.root}, step {step}'s is {signed.root}"
+        self._digest = digest
+        return digest.root, ""
 
     # --- the trainer's side ----------------------------------------------------------------------
     def copy(self, step: int, state: State, files: dict[str, bytes]) -> HostCopy:
@@ -186,7 +276,7 @@ class ShardedRounds(Rounds):
         """Nothing runs after a step: its anchor is a round of the step."""
 
     async def close(self) -> None:
-        """Nothing to persist: a restarted job publishes an anchor first."""
+        """Nothing to persist: a relaunched job rebuilds its pieces from the store (`resume`) or anchors."""
 
     def baseline(self) -> State:
         return self._base.state if self._base is not None else {}
@@ -207,6 +297,8 @@ class ShardedRounds(Rounds):
             raise PulseSyncError(f"step {snap.step}: rank {self.rank}: {type(e).__name__}: {e}") from e
 
     async def _publish_step(self, snap: HostCopy, pieces: dict[str, Piece]) -> None:
+        if self._base is None and self._resume_from is not None:
+            await self._resume(snap, pieces)
         # Every rank must run the same rounds: one whose pieces changed (resharded) makes it an anchor for all.
         moved = await self._collective(self._coordinator.all_gather, pieces != self._raw)
         if self._anchor_next or self._base is None or any(moved):

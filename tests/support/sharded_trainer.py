@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import sys
 from pathlib import Path
@@ -154,7 +155,9 @@ def save_model(model: Any, out: Path) -> None:
     save_tokenizer(out, model.config.vocab_size)
 
 
-def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: int | None, first: int) -> None:
+def train_and_publish(
+    layout: str, out: Path, key: Path, steps: int, kill_step: int | None, first: int, resume: bool
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_moe() if layout == "moe" else tiny_llama(layout == "uneven")
     if layout in ("fsdp2", "uneven"):
@@ -166,7 +169,7 @@ def train_and_publish(layout: str, out: Path, key: Path, steps: int, kill_step: 
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     root = out / layout
-    config = PublisherConfig(signing_key=key, anchor_interval=3, on_backpressure="block")
+    config = PublisherConfig(signing_key=key, anchor_interval=3, on_backpressure="block", resume=resume)
     publisher = None
     for step, ids in enumerate(batches(steps, model.config.vocab_size)):
         if step:
@@ -208,7 +211,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--kill-step", type=int)
     parser.add_argument("--first-step", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="a relaunch takes up the chain (PublisherConfig.resume)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("pulsesync.publisher").setLevel(logging.INFO)  # what a resume did, for the tests to read
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
@@ -216,7 +222,7 @@ def main() -> None:
             if dist.get_rank() == 0:
                 (args.out / layout).mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            train_and_publish(layout, args.out, args.key, args.steps, args.kill_step, args.first_step)
+            train_and_publish(layout, args.out, args.key, args.steps, args.kill_step, args.first_step, args.resume)
             dist.barrier()
     finally:
         dist.destroy_process_group()
