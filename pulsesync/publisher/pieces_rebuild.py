@@ -182,9 +182,9 @@ async def _stored_pieces(fetcher: Fetcher, anchor: AnchorManifest) -> dict[str, 
                 begin, end = (int(x) for x in entry["data_offsets"])
                 shape, dtype = tuple(int(x) for x in entry["shape"]), str(entry["dtype"])
                 start, whole, runs, stride = places[name] if places is not None else (0, list(shape), 1, 0)
-                piece = Piece(
-                    name, int(start), math.prod(shape), tuple(int(x) for x in whole), dtype, rank, runs, stride
-                )
+                whole = tuple(int(x) for x in whole)
+                piece = Piece(name, int(start), math.prod(shape), whole, dtype, rank, int(runs), int(stride))
+                _check_place(piece)
                 width = _TORCH_DTYPES[dtype].itemsize
                 if end - begin != piece.length * width or 8 + size + end > ref.size or begin < 0:
                     raise ValueError(f"tensor {name!r}: its bytes do not fit the file")
@@ -192,6 +192,14 @@ async def _stored_pieces(fetcher: Fetcher, anchor: AnchorManifest) -> dict[str, 
         except (ValueError, KeyError, TypeError) as e:
             raise IntegrityError(f"{ref.key}: its safetensors header is not one ({type(e).__name__}: {e})") from None
     return stored
+
+
+def _check_place(p: Piece) -> None:
+    """ValueError unless a stored piece's runs lie inside its tensor (what `_fill` reads and writes)."""
+    if p.runs < 1 or p.length % p.runs or p.start < 0 or min(p.shape, default=1) < 0:
+        raise ValueError(f"tensor {p.name!r}: {p.runs} runs of {p.length} elements at {p.start}")
+    if (p.runs > 1 and p.stride < p.run) or _span(p)[1] > p.numel:
+        raise ValueError(f"tensor {p.name!r}: its runs do not fit its {p.numel} elements")
 
 
 def _rank_of(key: str) -> int:
