@@ -43,6 +43,7 @@ from pulsesync.digest import state_digest
 from pulsesync.dtypes import DTYPES
 from pulsesync.errors import CorruptPatchError, MissingReferenceError, PulseSyncError
 from pulsesync.protocol import layout
+from pulsesync.protocol.manifest import AnchorManifest
 from pulsesync.publisher import AsyncPublisher
 from pulsesync.retention import RetentionPolicy, RetentionWorker
 from pulsesync.sharding import Piece
@@ -634,13 +635,13 @@ async def test_slow_path_from_an_anchor_into_a_history_coded_chain(store: Store,
         manifests = await _patch_manifests(pub, range(1, 10))
     coded = [s for s, m in manifests.items() if m.reference is not None]
     assert coded and all(manifests[s].reference.key == layout.patch_key(s - 1, pub.run_id) for s in coded)
-    assert 6 not in coded  # the patch after anchor 5 is self-contained: the slow path can start there
+    assert 6 in coded  # the patch after anchor 5 is coded against patch 5, whose history anchor 5 carries
 
     follower = subscriber(store, key)  # every step, by the fast path
     for step in range(10):
         await follower.sync(step)
         assert_states_equal(follower.state, REAL_LIKE[step])
-    late = subscriber(store, key)  # anchor 5 + history-coded patches 6..8
+    late = subscriber(store, key)  # anchor 5 (and the history it carries) + history-coded patches 6..8
     assert (await late.sync(8)).path == "slow"
     assert_states_equal(late.state, REAL_LIKE[8])
     assert (await late.sync(9)).path == "fast"
@@ -668,8 +669,10 @@ async def test_retention_keeps_every_reference_a_kept_patch_names(store: Store, 
     assert kept and min(kept) < 11
     for step in kept:
         manifest = await subscriber(store, key).stores.chain.manifest(step, "patch")
-        if manifest.reference is not None:
-            assert manifest.reference.key in keys
+        if manifest.reference is not None and manifest.reference.key not in keys:
+            # The first patch after a kept anchor: the anchor carries its reference's history.
+            anchor = await chain.manifest(step - 1, "anchor")
+            assert isinstance(anchor, AnchorManifest) and anchor.histories and set(anchor.histories) <= keys
     fresh = subscriber(store, key)
     await fresh.sync()
     assert_states_equal(fresh.state, REAL_LIKE[11])
