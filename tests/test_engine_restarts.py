@@ -11,7 +11,9 @@ for bit, its version naming it; the restart is counted and logged once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulsesync.digest import state_digest
 from pulsesync.protocol import signing
 from pulsesync.publisher import AsyncPublisher, PublisherConfig
-from pulsesync.sinks import DirectorySinkConfig, VLLMSinkConfig
+from pulsesync.sinks import DirectorySinkConfig, Sink, VLLMSinkConfig
 from pulsesync.sinks.directory import DirectorySink
 from pulsesync.sinks.vllm.sidecar.sink import VLLMSink
 from pulsesync.sinks.vllm.wire.weight_version import HeldPolicy
@@ -31,25 +33,42 @@ from tests.support.subscribing import FAST_RETRY, STATES, publish, wait_for
 from tests.support.vllm_standin import VLLMStandIn, module_holding
 
 
-async def test_a_restarted_engine_gets_the_served_state_at_the_next_poll(
-    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
-) -> None:
+@contextlib.asynccontextmanager
+async def daemon_feeding_an_engine(
+    tmp_path: Path, key: Ed25519PrivateKey, directory: bool, **overrides: float
+) -> AsyncIterator[tuple[AsyncPublisher, list[VLLMStandIn], Subscriber]]:
+    """Steps 0-3 published, a stand-in started on its launch weights, a daemon (a 0.1 s poll, `overrides`) serving
+    it step 3 (through a directory sink too, with `directory`); everything stopped after. A test appends the
+    engines it restarts to the list."""
     store = FileStore(tmp_path / "store")
     pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=store, signing_key=key)
     await pub.start()
     await publish(pub, range(4))
-    engine = VLLMStandIn(module_holding(trainer_states(STATES)[0]))
-    await engine.start()
-    sinks = [
-        DirectorySink(DirectorySinkConfig(out_dir=tmp_path / "out")),
-        VLLMSink(VLLMSinkConfig(url=engine.url, update_dir=tmp_path / "updates", timeout_seconds=10)),
-    ]
-    config = FAST_RETRY.model_copy(update={"poll_seconds": 0.1, "fleet_status": False})
+    engines = [VLLMStandIn(module_holding(trainer_states(STATES)[0]))]
+    await engines[0].start()
+    sinks: list[Sink] = [DirectorySink(DirectorySinkConfig(out_dir=tmp_path / "out"))] if directory else []
+    sinks.append(VLLMSink(VLLMSinkConfig(url=engines[0].url, update_dir=tmp_path / "updates", timeout_seconds=10)))
+    config = FAST_RETRY.model_copy(update={"poll_seconds": 0.1, "fleet_status": False, **overrides})
     sub = Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]), sinks=sinks)
-    stop, engines = asyncio.Event(), [engine]
+    stop = asyncio.Event()
     sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
     try:
-        await wait_for(lambda: sub.step == 3 and engine.weight_version.startswith("pulsesync:3:"), "step 3", sub=sub)
+        held = lambda: sub.step == 3 and engines[0].weight_version.startswith("pulsesync:3:")  # noqa: E731
+        await wait_for(held, "step 3", sub=sub)
+        yield pub, engines, sub
+    finally:
+        stop.set()
+        await sub.task  # type: ignore[attr-defined]
+        await sub.close()
+        await pub.close()
+        await engines[-1].stop()
+
+
+async def test_a_restarted_engine_gets_the_served_state_at_the_next_poll(
+    tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with daemon_feeding_an_engine(tmp_path, key, True) as (_, engines, sub):
+        engine = engines[0]
         served = HeldPolicy(3, state_digest(trainer_states(STATES)[3]).root)
         assert engine.weight_version == served.version and sub.status.engine_restarts == 0
 
@@ -67,46 +86,23 @@ async def test_a_restarted_engine_gets_the_served_state_at_the_next_poll(
         assert sum("(restarted); sending it" in m for m in said) == 1
         await asyncio.sleep(0.5)  # later ticks find it holding the step: nothing more is sent
         assert restarted.held_digests == [(3, served.digest)] and sub.status.engine_restarts == 1
-    finally:
-        stop.set()
-        await sub.task  # type: ignore[attr-defined]
-        await sub.close()
-        await pub.close()
-        await engines[-1].stop()
 
 
 async def test_an_engine_back_while_a_newer_step_fails_to_sync_is_served_it_without_the_backoff(
     tmp_path: Path, key: Ed25519PrivateKey
 ) -> None:
     """Steps published while the engine is down fail to sync and back off (1, 2, 4, 8 s); the engine that comes
-    back is asked on every poll tick of the wait and gets the newest step within a tick and one delivery."""
-    store = FileStore(tmp_path / "store")
-    pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=store, signing_key=key)
-    await pub.start()
-    await publish(pub, range(4))
-    engine = VLLMStandIn(module_holding(trainer_states(STATES)[0]))
-    await engine.start()
-    sink = VLLMSink(VLLMSinkConfig(url=engine.url, update_dir=tmp_path / "updates", timeout_seconds=10))
-    config = FAST_RETRY.model_copy(
-        update={"poll_seconds": 0.1, "fleet_status": False, "retry_initial_seconds": 1.0, "retry_max_seconds": 60.0}
-    )
-    sub = Subscriber(config, store=store, trusted=signing.trusted_keys([key.public_key()]), sinks=[sink])
-    stop, engines = asyncio.Event(), [engine]
-    sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
-    try:
-        await wait_for(lambda: sub.step == 3 and engine.weight_version.startswith("pulsesync:3:"), "step 3", sub=sub)
-        await engine.stop()
+    back is asked on every poll tick of the wait and gets the newest step within a tick and one delivery; its
+    restart is counted once."""
+    backoff = {"retry_initial_seconds": 1.0, "retry_max_seconds": 60.0}
+    async with daemon_feeding_an_engine(tmp_path, key, False, **backoff) as (pub, engines, sub):
+        await engines[0].stop()
         await publish(pub, range(4, 6))
         await wait_for(lambda: sub.status.consecutive_failures >= 4, "four failed syncs to step 5", 20)
-        restarted = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engine.port)  # its launch weights
+        restarted = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engines[0].port)  # launch weights
         engines.append(restarted)
         await restarted.start()  # the daemon is now in an 8 s backoff
         step5 = HeldPolicy(5, state_digest(trainer_states(STATES)[5]).root)
         await wait_for(lambda: sub.step == 5, "the engine back holds step 5, served", 2.5, sub=sub)
         assert restarted.weight_version == step5.version and restarted.held_digests == [(5, step5.digest)]
-    finally:
-        stop.set()
-        await sub.task  # type: ignore[attr-defined]
-        await sub.close()
-        await pub.close()
-        await engines[-1].stop()
+        assert sub.status.engine_restarts == 1  # counted (and logged) once, though the sync sent it the step

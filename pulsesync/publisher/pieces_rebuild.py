@@ -18,8 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import mmap
+import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -77,7 +80,51 @@ async def rebuild_pieces(
         for sha, history in read_history(await fetcher.fetch(ref), ref.key, bound, widths).patches.items():
             held.patches[sha] = PatchHistory(sha, {k: c for k, c in history.chunks.items() if k[0] in pieces})
             carried[ref.key] = sha
-    parts: dict[tuple[int, int], bytes] = {}  # (link, part) -> the part's bytes, fetched once
+    with tempfile.TemporaryDirectory(prefix="pulsesync-resume-") as spool:
+        out = await _rebuild(fetcher, anchor, links, pieces, like, stored, held, _PartSpool(fetcher, Path(spool)))
+    # The next part is coded against this rank's part of the step, if the step's parts were cut as it is now.
+    same = all(
+        any(s.piece.rank == rank and _same_place(s.piece, p) for s in stored.get(name, []))
+        for name, p in pieces.items()
+    )
+    if same and links and len(links[-1].objects) == world:
+        out.history = held.get(links[-1].objects[rank].sha256)
+    elif same and not links and len(anchor.histories) == world:
+        key = next((k for k in anchor.histories if k.endswith(HISTORY_FILE.format(part=rank))), "")
+        out.history = held.get(carried.get(key))
+    return out
+
+
+@dataclass
+class _PartSpool:
+    """The parts a rebuild applies, each fetched (and checked) once into a local file and mapped: every tensor
+    reads them again, and a long chain's parts are not held in memory. The maps close as they are collected
+    (the decoder's views of a part may outlive its apply by a moment)."""
+
+    fetcher: Fetcher
+    folder: Path
+    held: dict[str, memoryview] = field(default_factory=dict)
+
+    async def get(self, ref: ObjectRef) -> memoryview:
+        if ref.key not in self.held:
+            path = self.folder / f"{len(self.held)}.bin"
+            path.write_bytes(await self.fetcher.fetch(ref))
+            with path.open("rb") as f:
+                self.held[ref.key] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        return self.held[ref.key]
+
+
+async def _rebuild(
+    fetcher: Fetcher,
+    anchor: AnchorManifest,
+    links: list[PatchManifest],
+    pieces: Mapping[str, Piece],
+    like: Mapping[str, torch.Tensor],
+    stored: Mapping[str, list[_Stored]],
+    held: StepHistory,
+    parts: _PartSpool,
+) -> RebuiltPieces:
+    """Each of `pieces`, one tensor at a time: the anchor's overlapping elements, then every patch's records."""
     out = RebuiltPieces({}, None)
     for name in sorted(pieces):
         mine = pieces[name]
@@ -91,28 +138,16 @@ async def rebuild_pieces(
             out.bytes_read += await _fill(fetcher, scratch, s, mine, chunk)
         view = {name: scratch.view(mine.shape)}
         patching = {s.piece.rank for s in found}
-        for i, link in enumerate(links):
+        for link in links:
             for k, ref in enumerate(link.objects):
                 if len(link.objects) > 1 and k not in patching:
                     continue
-                if (i, k) not in parts:
-                    parts[(i, k)] = await fetcher.fetch(ref)
-                history = held.add(ref.sha256)
+                data, history = await parts.get(ref), held.add(ref.sha256)
                 await asyncio.to_thread(
-                    apply_records_of, view, parts[(i, k)], reference=held, history=history, threads=fetcher.threads
+                    apply_records_of, view, data, reference=held, history=history, threads=fetcher.threads
                 )
         out.state[name] = _cut(scratch, mine).view(like[name].shape).clone()
         del scratch, view
-    # The next part is coded against this rank's part of the step, if the step's parts were cut as it is now.
-    same = all(
-        any(s.piece.rank == rank and _same_place(s.piece, p) for s in stored.get(name, []))
-        for name, p in pieces.items()
-    )
-    if same and links and len(links[-1].objects) == world:
-        out.history = held.get(links[-1].objects[rank].sha256)
-    elif same and not links and len(anchor.histories) == world:
-        key = next((k for k in anchor.histories if k.endswith(HISTORY_FILE.format(part=rank))), "")
-        out.history = held.get(carried.get(key))
     return out
 
 

@@ -106,7 +106,7 @@ def retrying(follower: Follower, attempts: int | None, stop: asyncio.Event | Non
         deadline, answering = loop.time() + seconds, await follower.restarts.answering()
         while not stop.is_set() and (left := deadline - loop.time()) > 0:
             await _wait(stop, min(left, follower.config.poll_seconds))
-            if await follower.restarts.answering() - answering:
+            if await follower.restarts.came_back(answering):
                 return
 
     def failed(state: RetryCallState) -> None:

@@ -7,14 +7,17 @@ anything other than the served state gets the whole of it at once, without waiti
 publish. Directory sinks run again too (a no-op for a step they hold), since engine sinks such
 as SGLang's load the directory they write. A restart is counted and logged once at INFO; an
 engine that does not answer (still starting) is asked again at the next tick. While failed syncs back off,
-the daemon asks on every tick which engines answer (`answering`): one that comes back ends the wait, so a
-step that failed to reach it while it was down reaches it within a tick, not after the backoff.
+the daemon asks on every tick which engines answer (`came_back`): one that comes back ends the wait (counted
+as restarted if it lost the served state), so a step that failed to reach it while it was down reaches it
+within a tick, not after the backoff.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pulsesync import metrics
@@ -57,18 +60,35 @@ class RestartWatch:
                 found.append(sink)
         return found
 
-    async def answering(self) -> frozenset[int]:
-        """The sinks (by index) whose engine answers now, whatever it holds; none before a state is served."""
-        served, found = self.held.served, set()
+    async def answering(self) -> dict[int, bool]:
+        """The sinks (by index) whose engine answers now, and whether it holds the served state (none before one)."""
+        served, found = self.held.served, {}
         if served is None:
-            return frozenset()
+            return {}
         for i, sink in enumerate(self.sinks):
-            try:
-                await sink.holds(served)
-            except PulseSyncError:
-                continue
-            found.add(i)
-        return frozenset(found)
+            with contextlib.suppress(PulseSyncError):
+                found[i] = await sink.holds(served)
+        return found
+
+    async def came_back(self, before: Mapping[int, bool]) -> bool:
+        """Whether an engine that did not answer at `before` (an `answering()`) answers now; one that lost the served
+        state is counted and logged as restarted once (the sync tried again next sends it the newest step whole)."""
+        now = await self.answering()
+        back = [i for i in now if i not in before]
+        for i in back:
+            if not now[i] and self.held.served is not None:
+                self._restarted(i, self.held.served.step)
+        return bool(back)
+
+    def _restarted(self, i: int, step: int) -> None:
+        """Count and log a restart of sink `i`'s engine, once however many ticks bringing it back takes."""
+        if i in self.lost:
+            return
+        sink = self.sinks[i]
+        log.info("%s sink: its engine no longer holds step %d (restarted); sending it", sink.name, step)
+        metrics.ENGINE_RESTARTS.labels(sink.name).inc()
+        self.status.engine_restarts += 1
+        self.lost.add(i)
 
     async def bring_back(self, served: VerifiedState) -> int:
         """Deliver `served` whole to every engine that lost it; how many did. A failed delivery raises (EngineError)."""
@@ -79,13 +99,7 @@ class RestartWatch:
         started = time.perf_counter()
         for i, sink in enumerate(self.sinks):
             if sink in stale:
-                if i not in self.lost:  # once per restart, however many ticks bringing it back takes
-                    log.info(
-                        "%s sink: its engine no longer holds step %d (restarted); sending it", sink.name, served.step
-                    )
-                    metrics.ENGINE_RESTARTS.labels(sink.name).inc()
-                    self.status.engine_restarts += 1
-                    self.lost.add(i)
+                self._restarted(i, served.step)
             elif not isinstance(sink, DirectorySink):
                 continue
             await sink.deliver(update)  # previous_digest None: the whole state
