@@ -2,12 +2,10 @@
 
 Runs with `pytest -m engine` (PULSESYNC_VLLM_PYTHON, see tests/test_vllm_engine.py). No worker
 extension: pulsesync's backend is registered by its plugin entry point and driven through vLLM's
-own weight-transfer routes. Slow, fast and chain paths; after each sync every rank holds the
-step's checkpoint bit for bit and `GET /weight_info` names the step and its digest; after the slow
-path, the chain path (a request in flight) and the whole update the engine's greedy logprobs (the
-long prompt prefix-cached under the previous step) and `/weight_checker` checksums equal those of a
-fresh server started on that step's checkpoint (the fast steps' equal the rank bits those show).
-A worker that raises mid-layer (the backend's drill) leaves the engine
+own weight-transfer routes. Slow, fast and chain paths; after each sync the engine's greedy
+logprobs (the long prompt prefix-cached under the previous step) and `/weight_checker` checksums
+equal those of a fresh server started on that step's checkpoint, and `GET /weight_info` names the
+step and its digest. A worker that raises mid-layer (the backend's drill) leaves the engine
 answering exactly as before, naming the step it held, and the next sync succeeds. `pulsesync
 subscribe` set to the worker extension against this server prints one line naming the setting
 or launch flag that fixes it (exit 14) and leaves the engine serving. The engine then stops
@@ -70,7 +68,7 @@ async def test_the_weight_transfer_backend_serves_every_step_and_rolls_back_a_fa
     }
     references = {
         s: VLLMServer(tmp_path / "checkpoints" / f"checkpoint-{s}", tmp_path / f"reference-{s}.log", eager=True)
-        for s in (2, 5, 7)
+        for s in (2, 3, 5, 6, 7)
     }
     engine = VLLMServer(tmp_path / "launch", tmp_path / "vllm.log", eager=True, engine_api="weight_transfer")
     updates = tmp_path / "updates"
@@ -91,9 +89,9 @@ async def test_the_weight_transfer_backend_serves_every_step_and_rolls_back_a_fa
         assert await weight_info(engine.url) == f"pulsesync:{step}:{roots[step]}"
         assert await ranks_hold(engine.url, updates, checkpoint(tmp_path, step), roots[step])
         served[step] = (await greedy_logprobs(engine.url), await checksums(engine.url))
-        if (reference := references.pop(step, None)) is not None:
-            assert (await greedy_logprobs(reference.url), await checksums(reference.url)) == served[step]
-            reference.stop()
+        reference = references.pop(step)
+        assert (await greedy_logprobs(reference.url), await checksums(reference.url)) == served[step]
+        reference.stop()
 
     try:
         for server in [engine, *references.values()]:
