@@ -55,7 +55,6 @@ class RebuiltPieces:
 
     state: dict[str, torch.Tensor]
     history: PatchHistory | None
-    bytes_read: int = 0
 
 
 async def rebuild_pieces(
@@ -135,7 +134,7 @@ async def _rebuild(
         scratch = torch.zeros(mine.numel, dtype=dtype)
         chunk = max((link.codec.chunk_elements for link in links), default=1)
         for s in found:
-            out.bytes_read += await _fill(fetcher, scratch, s, mine, chunk)
+            await _fill(fetcher, scratch, s, mine, chunk)
         view = {name: scratch.view(mine.shape)}
         patching = {s.piece.rank for s in found}
         for link in links:
@@ -165,8 +164,8 @@ def _overlap(a: Piece, b: Piece) -> bool:
     return a0 < b1 and b0 < a1
 
 
-async def _fill(fetcher: Fetcher, scratch: torch.Tensor, s: _Stored, mine: Piece, chunk: int) -> int:
-    """Put the elements of stored piece `s` that `mine` needs into `scratch` (ranged reads); the bytes read."""
+async def _fill(fetcher: Fetcher, scratch: torch.Tensor, s: _Stored, mine: Piece, chunk: int) -> None:
+    """Put the elements of stored piece `s` that `mine` needs into `scratch` (ranged reads)."""
     width = scratch.element_size()
     p = s.piece
     if p.runs == 1:  # the overlap, widened to the chunks of the part that patches it
@@ -174,14 +173,13 @@ async def _fill(fetcher: Fetcher, scratch: torch.Tensor, s: _Stored, mine: Piece
         first = max(p.start, p.start + (max(lo, p.start) - p.start) // chunk * chunk)
         last = min(p.start + p.length, p.start + math.ceil((min(hi, p.start + p.length) - p.start) / chunk) * chunk)
         if last <= first:
-            return 0
+            return
         data = await _read(fetcher, s.ref, s.offset + (first - p.start) * width, (last - first) * width)
         scratch[first:last] = torch.frombuffer(bytearray(data), dtype=scratch.dtype)
-        return len(data)
+        return
     data = await _read(fetcher, s.ref, s.offset, p.length * width)  # a strided piece: all of it
     local = torch.frombuffer(bytearray(data), dtype=scratch.dtype).view(p.runs, p.run)
     scratch.as_strided((p.runs, p.run), (p.stride, 1), p.start).copy_(local)
-    return len(data)
 
 
 def _cut(scratch: torch.Tensor, p: Piece) -> torch.Tensor:

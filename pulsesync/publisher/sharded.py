@@ -222,7 +222,7 @@ class ShardedRounds(Rounds):
             anchor.step,
             len(links),
             self.rank,
-            rebuilt.bytes_read,
+            fetcher.bytes_downloaded,
             time.perf_counter() - t0,
             "rebuilt" if rebuilt.history is not None else "none: the parts were cut otherwise",
         )
