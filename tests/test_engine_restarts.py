@@ -35,17 +35,20 @@ from tests.support.vllm_standin import VLLMStandIn, module_holding
 
 @contextlib.asynccontextmanager
 async def daemon_feeding_an_engine(
-    tmp_path: Path, key: Ed25519PrivateKey, directory: bool, **overrides: float
+    tmp_path: Path, key: Ed25519PrivateKey, directory: bool, loading: bool = False, **overrides: float
 ) -> AsyncIterator[tuple[AsyncPublisher, list[VLLMStandIn], Subscriber]]:
     """Steps 0-3 published, a stand-in started on its launch weights, a daemon (a 0.1 s poll, `overrides`) serving
     it step 3 (through a directory sink too, with `directory`); everything stopped after. A test appends the
-    engines it restarts to the list."""
+    engines it restarts to the list. `loading`: the engine does not answer yet (its port is taken up later)
+    and the daemon has served nothing."""
     store = FileStore(tmp_path / "store")
     pub = AsyncPublisher(PublisherConfig(anchor_interval=5, on_backpressure="block"), store=store, signing_key=key)
     await pub.start()
     await publish(pub, range(4))
     engines = [VLLMStandIn(module_holding(trainer_states(STATES)[0]))]
     await engines[0].start()
+    if loading:
+        await engines[0].stop()
     sinks: list[Sink] = [DirectorySink(DirectorySinkConfig(out_dir=tmp_path / "out"))] if directory else []
     sinks.append(VLLMSink(VLLMSinkConfig(url=engines[0].url, update_dir=tmp_path / "updates", timeout_seconds=10)))
     config = FAST_RETRY.model_copy(update={"poll_seconds": 0.1, "fleet_status": False, **overrides})
@@ -54,7 +57,8 @@ async def daemon_feeding_an_engine(
     sub.task = asyncio.create_task(sub.run(stop))  # type: ignore[attr-defined]
     try:
         held = lambda: sub.step == 3 and engines[0].weight_version.startswith("pulsesync:3:")  # noqa: E731
-        await wait_for(held, "step 3", sub=sub)
+        if not loading:
+            await wait_for(held, "step 3", sub=sub)
         yield pub, engines, sub
     finally:
         stop.set()
@@ -106,3 +110,20 @@ async def test_an_engine_back_while_a_newer_step_fails_to_sync_is_served_it_with
         await wait_for(lambda: sub.step == 5, "the engine back holds step 5, served", 2.5, sub=sub)
         assert restarted.weight_version == step5.version and restarted.held_digests == [(5, step5.digest)]
         assert sub.status.engine_restarts == 1  # counted (and logged) once, though the sync sent it the step
+
+
+async def test_an_engine_still_loading_when_the_daemon_starts_is_served_as_soon_as_it_answers(
+    tmp_path: Path, key: Ed25519PrivateKey
+) -> None:
+    """A cold start: the first syncs fail while the engine loads and back off (1, 2, 4, 8 s); the engine answering
+    for the first time ends the wait, so it holds the newest step within a tick and one delivery (not a restart)."""
+    backoff = {"retry_initial_seconds": 1.0, "retry_max_seconds": 60.0}
+    async with daemon_feeding_an_engine(tmp_path, key, False, True, **backoff) as (_, engines, sub):
+        await wait_for(lambda: sub.status.consecutive_failures >= 4, "four failed syncs to step 3", 20)
+        loaded = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engines[0].port)  # launch weights
+        engines.append(loaded)
+        await loaded.start()  # the daemon is now in an 8 s backoff
+        step3 = HeldPolicy(3, state_digest(trainer_states(STATES)[3]).root)
+        await wait_for(lambda: sub.step == 3, "the engine loaded holds step 3, served", 2.5, sub=sub)
+        assert loaded.weight_version == step3.version and loaded.held_digests == [(3, step3.digest)]
+        assert sub.status.engine_restarts == 0
