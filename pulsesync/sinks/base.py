@@ -40,10 +40,11 @@ class Sink(ABC):
     async def deliver(self, update: Update) -> None:
         """Hand over one verified state."""
 
-    async def holds(self, state: VerifiedState) -> bool:
+    async def holds(self, state: VerifiedState | None) -> bool:
         """Whether the engine behind this sink still holds `state`: a cheap read on every poll (a version string,
         never an RPC), so an engine restarted under a running subscriber is found. A sink with no engine of its own
-        holds what it wrote. EngineError (or another PulseSyncError) when the engine cannot be asked."""
+        holds what it wrote. EngineError (or another PulseSyncError) when the engine cannot be asked: with `state`
+        None (nothing served yet) the read only asks whether the engine answers."""
         return True
 
     def pinned(self) -> set[Path]:

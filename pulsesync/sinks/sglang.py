@@ -65,10 +65,11 @@ class SGLangSink(Sink):
                     "(its weights are unknown until a load succeeds)"
                 )
 
-    async def holds(self, state: VerifiedState) -> bool:
+    async def holds(self, state: VerifiedState | None) -> bool:
         """Whether `GET /model_info` names this state (a restarted server names its launch weights)."""
         async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
-            return await self._version(engine) == weight_version(state)
+            version = await self._version(engine)
+        return state is not None and version == weight_version(state)
 
     async def _version(self, engine: EngineClient) -> str | None:
         info = await engine.get("/model_info")

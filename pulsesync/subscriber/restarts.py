@@ -9,7 +9,8 @@ as SGLang's load the directory they write. A restart is counted and logged once 
 engine that does not answer (still starting) is asked again at the next tick. While failed syncs back off,
 the daemon asks on every tick which engines answer (`came_back`): one that comes back ends the wait (counted
 as restarted if it lost the served state), so a step that failed to reach it while it was down reaches it
-within a tick, not after the backoff.
+within a tick, not after the backoff; so does an engine answering for the first time (a cold start while it
+loads, nothing served yet).
 """
 
 from __future__ import annotations
@@ -61,10 +62,8 @@ class RestartWatch:
         return found
 
     async def answering(self) -> dict[int, bool]:
-        """The sinks (by index) whose engine answers now, and whether it holds the served state (none before one)."""
+        """The sinks (by index) whose engine answers now, and whether it holds the served state (False before one)."""
         served, found = self.held.served, {}
-        if served is None:
-            return {}
         for i, sink in enumerate(self.sinks):
             with contextlib.suppress(PulseSyncError):
                 found[i] = await sink.holds(served)

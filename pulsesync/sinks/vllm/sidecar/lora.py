@@ -81,11 +81,12 @@ class VLLMLoRASink(Sink):
         """The adapter directory the server serves from."""
         return {self.serving} if self.serving is not None else set()
 
-    async def holds(self, state: VerifiedState) -> bool:
+    async def holds(self, state: VerifiedState | None) -> bool:
         """Whether the server serves this step's adapter under the name (`GET /v1/models`; a restart loses it)."""
         c = self.config
         async with EngineClient(self.url, c.api_key, c.timeout_seconds) as engine:
-            return await adapter_version(engine, c.adapter_name) == HeldPolicy(state.step, state.digest.root)
+            version = await adapter_version(engine, c.adapter_name)
+        return state is not None and version == HeldPolicy(state.step, state.digest.root)
 
     async def deliver(self, update: Update) -> None:
         """Serve the update's adapter; EngineError naming what the server still serves if it refused it."""

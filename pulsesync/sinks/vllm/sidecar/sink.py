@@ -86,14 +86,15 @@ class VLLMSink(Sink):
         c = self.config
         return http_engine(self.url, c.api_key, c.timeout_seconds, c.pause_mode, c.engine_api, c.update_dir)
 
-    async def holds(self, state: VerifiedState) -> bool:
+    async def holds(self, state: VerifiedState | None) -> bool:
         """Whether the engine's weight version names this state (`GET /weight_info`; a restart reports "default")."""
-        target = HeldPolicy(state.step, state.digest.root)
         if self._connect is not None:
             async with self._connect() as (session, _):
-                return await session.version() == target
-        async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
-            return await weight_version(engine) == target
+                version = await session.version()
+        else:
+            async with EngineClient(self.url, self.config.api_key, self.config.timeout_seconds) as engine:
+                version = await weight_version(engine)
+        return state is not None and version == HeldPolicy(state.step, state.digest.root)
 
     async def deliver(self, update: Update) -> None:
         """Bring the engine to the update's state; EngineError (naming what it holds) if it cannot."""
