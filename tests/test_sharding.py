@@ -8,6 +8,7 @@ bit for bit, and its root digest that of an unsharded publish of the same weight
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -115,28 +116,44 @@ async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_relaunched_job_re
     tmp_path: Path, relaunched_on: int
 ) -> None:
     """No marker for the step a rank died in; the relaunched job (on 4 ranks: resharded) rebuilds its pieces of
-    the newest committed step from the store and publishes a patch against it: subscribers take the fast path."""
+    the newest committed step and publishes a patch against it: subscribers take the fast path. On the same
+    layout each rank's cache (`cache_dir`) holds all it needs: no payload is read from the store."""
     kill = 2
-    torchrun(tmp_path, 2, "fsdp2", "--kill-step", str(kill), fails=True)
+    torchrun(tmp_path, 2, "fsdp2", "--kill-step", str(kill), "--cache", fails=True)
     root = tmp_path / "out" / "fsdp2"
     assert not (root / "store" / layout.commit_key(kill)).exists()
-    torchrun(tmp_path, relaunched_on, "fsdp2", "--first-step", str(kill + 1), "--resume")  # the job, relaunched
+    torchrun(tmp_path, relaunched_on, "fsdp2", "--first-step", str(kill + 1), "--resume", "--cache")  # relaunched
     ready = markers(root)
     assert layout.commit_key(kill).split("/")[1] not in ready
     restart = ready[layout.commit_key(kill + 1).split("/")[1]]
     assert isinstance(restart, PatchManifest) and restart.base_step == kill - 1  # a patch on the last commit
     assert len(restart.objects) == relaunched_on
-    assert "resumed at step 1 from anchor 0 and 1 patches" in (tmp_path / "torchrun.log").read_text()
+    said = (tmp_path / "torchrun.log").read_text()
+    assert said.count("resumed at step 1 from anchor 0 and 1 patches") == relaunched_on
+    from_store = [int(n) for n in re.findall(r"rank \d+ read (\d+) bytes from the store", said)]
+    assert len(from_store) == relaunched_on
+    if relaunched_on == 2:
+        assert from_store == [0, 0], said[-3000:]
+    else:  # ranks 2 and 3 hold no cache
+        assert sorted(from_store)[-2] > 0, said[-3000:]
     pub = tmp_path / "key" / "publisher.pub"
     await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 0, ["slow", "fast", "fast", "fast"])
 
 
 async def test_a_job_relaunched_on_as_many_ranks_publishes_the_bytes_an_uninterrupted_run_does(tmp_path: Path) -> None:
     """Stopped after step 2 and relaunched with `resume`: steps 3 (a patch, then an anchor) and 4 are the
-    uninterrupted run's parts, byte for byte (each rank's part history rebuilt from the store)."""
+    uninterrupted run's parts, byte for byte (each rank's part history rebuilt). A rank's cache damaged in
+    between does not prove: the ranks rebuild from the store instead, and still publish those bytes."""
     torchrun(tmp_path / "whole", 2, "fsdp2")
-    torchrun(tmp_path / "relaunched", 2, "fsdp2", "--steps", "3")
-    torchrun(tmp_path / "relaunched", 2, "fsdp2", "--first-step", "3", "--resume")
+    torchrun(tmp_path / "relaunched", 2, "fsdp2", "--steps", "3", "--cache")
+    (cached,) = (tmp_path / "relaunched" / "out" / "fsdp2" / "cache" / "rank-00000").glob("anchors/**/pieces-*")
+    data = bytearray(cached.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 10] ^= 0x01
+    cached.write_bytes(bytes(data))
+    torchrun(tmp_path / "relaunched", 2, "fsdp2", "--first-step", "3", "--resume", "--cache")
+    said = (tmp_path / "relaunched" / "torchrun.log").read_text()
+    assert "step 3: the ranks' caches do not give step 2 (the ranks' rebuilt pieces compose to digest" in said
+    assert said.count("resumed at step 2 from anchor 0 and 2 patches") == 2
     runs = [markers(tmp_path / run / "out" / "fsdp2") for run in ("whole", "relaunched")]
     for step in (3, 4):
         name = layout.commit_key(step).split("/")[1]

@@ -67,7 +67,11 @@ class PublisherConfig(Config):
     )
     max_pending: int = Field(1, ge=1, description="snapshots queued behind the one being published")
     resume: bool = Field(False, description="rebuild the baseline from the store at start instead of anchoring")
-    cache_dir: Path | None = Field(None, description="keeps the last committed state for a fast restart")
+    cache_dir: Path | None = Field(
+        None,
+        description="keeps the last committed state for a fast restart (sharded: each rank's objects since its "
+        "last anchor, under rank-NNNNN/)",
+    )
     take_over_prefix: bool = Field(
         False,
         description="publish into a prefix that holds another stream's markers (another key or job) instead of "

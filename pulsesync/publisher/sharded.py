@@ -49,7 +49,8 @@ from pulsesync.publisher.config import PublisherConfig
 from pulsesync.publisher.coordinator import Coordinator
 from pulsesync.publisher.host_copy import HostCopy, HostCopyPool, read_files
 from pulsesync.publisher.ownership import PrefixGuard, newest_own
-from pulsesync.publisher.pieces_rebuild import rebuild_pieces
+from pulsesync.publisher.pieces_cache import PiecesCache
+from pulsesync.publisher.pieces_rebuild import PieceReader, RebuiltPieces, rebuild_pieces
 from pulsesync.publisher.report import StepReport
 from pulsesync.publisher.rounds import Record, Rounds
 from pulsesync.publisher.schedule import AnchorSchedule
@@ -140,6 +141,7 @@ class ShardedRounds(Rounds):
         self._guard: PrefixGuard | None = None
         self._resume_from: int | None = None  # the committed step a relaunched job takes up (`resume`)
         self._resumed: PatchManifest | AnchorManifest | None = None  # rank 0: that step's commit
+        self._cache = PiecesCache(config.cache_dir, self.rank, config.codec.threads) if config.cache_dir else None
 
     async def _collective(self, call: Callable[[Any], Any], obj: Any) -> Any:
         """A blocking collective, off the event loop."""
@@ -179,11 +181,12 @@ class ShardedRounds(Rounds):
     async def _resume(self, snap: HostCopy, raw: dict[str, Piece]) -> None:
         """Take up the chain at its newest committed step, in place of a first anchor.
 
-        Every rank rebuilds the pieces it now owns from the store (`pieces_rebuild.py`: its share,
-        tensor by tensor), and the ranks' lane sums together must compose to the step's signed digest;
-        then the first step is a patch against them. Anything else (a step that cannot be rebuilt,
-        pieces that do not prove) leaves the baseline empty, logged with why on every rank: the first
-        step is an anchor, as without `resume`.
+        Every rank rebuilds the pieces it now owns (`pieces_rebuild.py`: its share, tensor by tensor,
+        from its cache where it holds the objects, else from the store), and the ranks' lane sums
+        together must compose to the step's signed digest; then the first step is a patch against
+        them. Caches that do not prove are passed over for the store; anything else (a step that
+        cannot be rebuilt, pieces that do not prove) leaves the baseline empty, logged with why on
+        every rank: the first step is an anchor, as without `resume`.
         """
         step, self._resume_from = self._resume_from, None
         assert step is not None
@@ -192,20 +195,15 @@ class ShardedRounds(Rounds):
         pieces = {p.name: p for ps in placed.values() for p in ps if p.rank == self.rank}
         found = await self._chain_on_root(step) if self.rank == 0 else None
         found = await self._collective(self._coordinator.broadcast, found)
-        rebuilt, sums, error = None, [], found if isinstance(found, str) else ""
-        t0 = time.perf_counter()
-        if not error:
-            anchor, links = found
-            fetcher = Fetcher(self.store, self.config.codec.threads or 1)
-            try:
-                rebuilt = await rebuild_pieces(fetcher, anchor, links, pieces, snap.state, self.rank, self.world)
-                for name, piece in sorted(pieces.items()):
-                    sums.append((name, await asyncio.to_thread(_piece_sums, piece, rebuilt.state[name])))
-            except Exception as e:  # whatever the store's bytes make of it: an anchor on every rank, never a hang
-                error = f"rank {self.rank}: {type(e).__name__}: {e}"
-        gathered = await self._collective(self._coordinator.all_gather, (error, sums))
-        proved = self._prove_on_root(step, placed, gathered) if self.rank == 0 else None
-        root, why = await self._collective(self._coordinator.broadcast, proved)
+        threads = self.config.codec.threads or 1
+        for cache in [self._cache.fetcher(), None] if self._cache is not None else [None]:
+            reader, t0 = PieceReader(Fetcher(self.store, threads), cache), time.perf_counter()
+            rebuilt, root, why = await self._rebuild_and_prove(step, found, placed, pieces, snap, reader)
+            if root or cache is None or isinstance(found, str):
+                break
+            log.warning(
+                "step %d: the ranks' caches do not give step %d (%s); rebuilding from the store", snap.step, step, why
+            )
         if not root or rebuilt is None:
             log.warning("step %d: not resumed at step %d (%s); publishing an anchor", snap.step, step, why)
             return
@@ -217,15 +215,41 @@ class ShardedRounds(Rounds):
         self._committed_step, self._anchor_next = step, False
         self._schedule.resume({anchor.step: {"anchor"}} | {link.step: {"patch"} for link in links})
         log.info(
-            "resumed at step %d from anchor %d and %d patches: rank %d read %d bytes in %.1f s (history %s)",
+            "resumed at step %d from anchor %d and %d patches: rank %d read %d bytes from the store and %d from its "
+            "cache in %.1f s (history %s)",
             step,
             anchor.step,
             len(links),
             self.rank,
-            fetcher.bytes_downloaded,
+            reader.store.bytes_downloaded,
+            reader.cache.bytes_downloaded if reader.cache is not None else 0,
             time.perf_counter() - t0,
             "rebuilt" if rebuilt.history is not None else "none: the parts were cut otherwise",
         )
+
+    async def _rebuild_and_prove(
+        self,
+        step: int,
+        found: tuple[AnchorManifest, list[PatchManifest]] | str,
+        placed: dict[str, list[Piece]],
+        pieces: dict[str, Piece],
+        snap: HostCopy,
+        reader: PieceReader,
+    ) -> tuple[RebuiltPieces | None, str, str]:
+        """This rank's pieces at `step`, and the signed root every rank's compose to ("" and why not, on every rank)."""
+        rebuilt, sums, error = None, [], found if isinstance(found, str) else ""
+        if not isinstance(found, str):
+            anchor, links = found
+            try:
+                rebuilt = await rebuild_pieces(reader, anchor, links, pieces, snap.state, self.rank, self.world)
+                for name, piece in sorted(pieces.items()):
+                    sums.append((name, await asyncio.to_thread(_piece_sums, piece, rebuilt.state[name])))
+            except Exception as e:  # whatever the bytes read make of it: an anchor on every rank, never a hang
+                error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        gathered = await self._collective(self._coordinator.all_gather, (error, sums))
+        proved = self._prove_on_root(step, placed, gathered) if self.rank == 0 else None
+        root, why = await self._collective(self._coordinator.broadcast, proved)
+        return rebuilt, root, why
 
     async def _chain_on_root(self, step: int) -> tuple[AnchorManifest, list[PatchManifest]] | str:
         """Rank 0: the verified anchor and patches `step` is rebuilt from, and its signed digest; or why not."""
@@ -276,7 +300,7 @@ class ShardedRounds(Rounds):
         """Nothing runs after a step: its anchor is a round of the step."""
 
     async def close(self) -> None:
-        """Nothing to persist: a relaunched job rebuilds its pieces from the store (`resume`) or anchors."""
+        """Nothing to persist: each rank's cache (`cache_dir`) is kept as it uploads."""
 
     def baseline(self) -> State:
         return self._base.state if self._base is not None else {}
@@ -355,6 +379,8 @@ class ShardedRounds(Rounds):
         if kind == "anchor":
             self._schedule.anchor_started()
             self._schedule.anchor_committed(snap.step)
+            if self._cache is not None:
+                await self._cache.prune({ref.key for ref in part.objects})
         else:
             self._schedule.patch_committed(done.wire_bytes)
         return True
@@ -377,6 +403,8 @@ class ShardedRounds(Rounds):
         self._encoded = encoded.history
         key = layout.part_key(snap.step, self.run_id, self.rank)
         await self.store.put(key, encoded.data)
+        if self._cache is not None:
+            await self._cache.keep(key, encoded.data)
         ref = ObjectRef.for_bytes(key, encoded.data)
         return _Part(self.rank, "", [ref], list(encoded.lanes.items()), encoded.changed_elements, encoded.codings)
 
@@ -399,6 +427,8 @@ class ShardedRounds(Rounds):
             with phase(f"anchor {snap.step}: rank {self.rank}'s upload", path.stat().st_size) as shown:
                 key = layout.anchor_dir(snap.step, self.run_id) + name
                 done = await self.store.upload_file(key, path, progress=shown.transfer)
+            if self._cache is not None:
+                await self._cache.adopt(key, path)
         ref = ObjectRef(key=done.key, size=done.size, sha256=done.sha256)
         objects = [ref, carried] if carried else [ref]
         return _Part(
@@ -410,6 +440,8 @@ class ShardedRounds(Rounds):
         data = await asyncio.to_thread(history_bytes, StepHistory.of(history))
         key = layout.anchor_dir(step, self.run_id) + HISTORY_FILE.format(part=self.rank)
         await self.store.put(key, data)
+        if self._cache is not None:
+            await self._cache.keep(key, data)
         return ObjectRef.for_bytes(key, data)
 
     # --- rank 0: the commit ----------------------------------------------------------------------

@@ -156,7 +156,7 @@ def save_model(model: Any, out: Path) -> None:
 
 
 def train_and_publish(
-    layout: str, out: Path, key: Path, steps: int, kill_step: int | None, first: int, resume: bool
+    layout: str, out: Path, key: Path, steps: int, kill_step: int | None, first: int, resume: bool, cached: bool
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_moe() if layout == "moe" else tiny_llama(layout == "uneven")
@@ -169,7 +169,10 @@ def train_and_publish(
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     root = out / layout
-    config = PublisherConfig(signing_key=key, anchor_interval=3, on_backpressure="block", resume=resume)
+    cache_dir = root / "cache" if cached else None  # each rank's under rank-NNNNN/
+    config = PublisherConfig(
+        signing_key=key, anchor_interval=3, on_backpressure="block", resume=resume, cache_dir=cache_dir
+    )
     publisher = None
     for step, ids in enumerate(batches(steps, model.config.vocab_size)):
         if step:
@@ -212,6 +215,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int)
     parser.add_argument("--first-step", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="a relaunch takes up the chain (PublisherConfig.resume)")
+    parser.add_argument("--cache", action="store_true", help="each rank keeps its objects (PublisherConfig.cache_dir)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("pulsesync.publisher").setLevel(logging.INFO)  # what a resume did, for the tests to read
@@ -222,7 +226,9 @@ def main() -> None:
             if dist.get_rank() == 0:
                 (args.out / layout).mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            train_and_publish(layout, args.out, args.key, args.steps, args.kill_step, args.first_step, args.resume)
+            train_and_publish(
+                layout, args.out, args.key, args.steps, args.kill_step, args.first_step, args.resume, args.cache
+            )
             dist.barrier()
     finally:
         dist.destroy_process_group()
