@@ -407,9 +407,10 @@ def main() -> None:
         "history_ratio_vs_pulse": real["methods"]["pulsesync v2 history-coded (default)"]["ratio_vs_baseline"],
         # Real causal LLM fine-tunes (bench/real_llm.py): the worst step of all of them, to PULSE's default.
         "real_llm_ratio_vs_pulse": llm.get("worst_ratio_vs_pulse") if llm else None,
-        # The MoE fine-tune's worst step to PULSE's default; the LoRA fine-tunes' worst step against the
-        # order-0 entropy of its ULP moves, and its ratio to the raw bf16 adapter.
+        # The MoE fine-tune's worst steady step and its first patch to PULSE's default; the LoRA fine-tunes'
+        # worst step against the order-0 entropy of its ULP moves, and its ratio to the raw bf16 adapter.
         "moe_ratio_vs_pulse": llm.get("moe_ratio_vs_pulse") if llm else None,
+        "moe_first_patch_ratio_vs_pulse": llm.get("moe_first_patch_ratio_vs_pulse") if llm else None,
         "lora_bytes_over_entropy_bound": llm.get("lora_bytes_over_entropy_bound") if llm else None,
         "lora_ratio_vs_raw": llm.get("lora_ratio_vs_raw") if llm else None,
         "real_llm": llm,

@@ -425,7 +425,10 @@ LORA_WORKLOADS: dict[str, tuple[Callable[[int], list[State]], str]] = {
     ),
 }
 ALL_WORKLOADS = WORKLOADS | MOE_WORKLOADS | LORA_WORKLOADS
-MOE_FLOOR = 2.1  # what the codec reaches on the moe workload's first patch (docs/benchmarks.md); goal 2.5
+# MoE: its steady steps (history-coded) at least the dense models' 2.5x; its first patch (the optimizer's second
+# step, where Adam still moves most elements, and no history to code against yet) reported apart, at least 2.0x.
+MOE_STEADY_FLOOR = 2.5
+MOE_FIRST_PATCH_FLOOR = 2.0
 LORA_BOUND = 1.15  # bytes over the order-0 entropy of the step's ULP moves, at most
 # Coded through real publishers, one process per step (a checkpoint hook's `publish --checkpoint`), as well.
 RESTARTED = "sft-docstrings"
@@ -646,6 +649,8 @@ def measure(steps: int = 6, leads: bool = False, workload: str = "sft") -> dict[
         "dense_bytes": dense_bytes(states[0]),
         "steps": rows,
         "worst_ratio_vs_pulse": min(r["ratio_vs_pulse"] for r in rows),
+        "first_patch_ratio_vs_pulse": rows[0]["ratio_vs_pulse"],
+        "worst_steady_ratio_vs_pulse": min((r["ratio_vs_pulse"] for r in rows[1:]), default=None),
         "worst_ratio_vs_xor_zstd": min(r["ratio_vs_xor_zstd"] for r in rows),
         "worst_ratio_vs_sparse_safetensors": min(r["ratio_vs_sparse_safetensors"] for r in rows),
         "worst_parts_over_unsharded": max(r["parts_over_unsharded"] for r in rows),
@@ -677,7 +682,8 @@ def measure_all(steps: int, workloads: list[str], leads: bool = False) -> dict[s
         worst = min(dense, key=lambda name: results[name]["worst_ratio_vs_pulse"])
         out |= {"worst_ratio_vs_pulse": results[worst]["worst_ratio_vs_pulse"], "worst_workload": worst}
     if moe := [results[name] for name in results if name in MOE_WORKLOADS]:
-        out["moe_ratio_vs_pulse"] = min(r["worst_ratio_vs_pulse"] for r in moe)
+        out["moe_ratio_vs_pulse"] = min(r["worst_steady_ratio_vs_pulse"] for r in moe)
+        out["moe_first_patch_ratio_vs_pulse"] = min(r["first_patch_ratio_vs_pulse"] for r in moe)
     if restarted := [r["first_after_anchor_over_history"] for r in results.values() if "restarted_bytes_equal" in r]:
         out["first_after_anchor_over_history"] = max(restarted)
     if lora := [results[name] for name in results if name in LORA_WORKLOADS]:
@@ -728,7 +734,10 @@ def print_all(result: dict[str, Any]) -> None:
         worst = result["worst_ratio_vs_pulse"]
         print(f"\nworst step of the dense fine-tunes: {worst:.2f}x PULSE's default ({result['worst_workload']})")
     if "moe_ratio_vs_pulse" in result:
-        print(f"worst step of the MoE fine-tunes: {result['moe_ratio_vs_pulse']:.2f}x PULSE's default")
+        print(
+            f"worst steady step of the MoE fine-tunes: {result['moe_ratio_vs_pulse']:.2f}x PULSE's default; their "
+            f"first patch: {result['moe_first_patch_ratio_vs_pulse']:.2f}x"
+        )
     if "lora_bytes_over_entropy_bound" in result:
         print(
             f"worst step of the LoRA fine-tunes: {result['lora_bytes_over_entropy_bound']:.3f}x the order-0 entropy "
@@ -739,9 +748,10 @@ def print_all(result: dict[str, Any]) -> None:
 def contracts(result: dict[str, Any]) -> list[Any]:
     """The codec's goals on real fine-tunes, for the kinds measured.
 
-    Dense: every step of every workload at least 2.5x smaller than PULSE's default. MoE: at least
-    MOE_FLOOR (the goal is 2.5; never enforced below 2.0). LoRA: at most LORA_BOUND times the
-    order-0 entropy of the step's ULP moves.
+    Dense: every step of every workload at least 2.5x smaller than PULSE's default. MoE: every steady
+    step at least MOE_STEADY_FLOOR, the first patch at least MOE_FIRST_PATCH_FLOOR. LoRA: at most
+    LORA_BOUND times the order-0 entropy of the step's ULP moves (a dense update: no coding of the
+    positions to win, so not a ratio to PULSE).
     """
     from contracts import Contract  # bench/contracts.py (run as a script, this folder is on sys.path)
 
@@ -751,9 +761,10 @@ def contracts(result: dict[str, Any]) -> list[Any]:
         name = "real LLM: worst step of every dense workload / PULSE's default"
         out.append(Contract(name, worst, 2.5, at_most=False))
     if "moe_ratio_vs_pulse" in result:
-        moe = result["moe_ratio_vs_pulse"]
-        name = "real LLM: worst step of the MoE workload / PULSE's default"
-        out.append(Contract(name, moe, MOE_FLOOR, at_most=False))
+        name = "real LLM: worst steady step of the MoE workload / PULSE's default"
+        out.append(Contract(name, result["moe_ratio_vs_pulse"], MOE_STEADY_FLOOR, at_most=False))
+        name = "real LLM: first patch of the MoE workload (Adam's second step, no history) / PULSE's default"
+        out.append(Contract(name, result["moe_first_patch_ratio_vs_pulse"], MOE_FIRST_PATCH_FLOOR, at_most=False))
     if "lora_bytes_over_entropy_bound" in result:
         over = result["lora_bytes_over_entropy_bound"]
         out.append(Contract("real LLM: LoRA bytes / order-0 entropy of its ULP moves, worst step", over, LORA_BOUND))
