@@ -54,8 +54,25 @@ def key() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.generate()
 
 
+# Seconds each engine test module takes alone on CI's machine kind (one at a time, 2 cores): `-m engine -n 2`
+# starts the longest first, so the two workers end together (longest processing time first).
+ENGINE_SECONDS = {
+    "test_vllm_transfer.py": 243,
+    "test_vllm_tp.py": 230,  # its tied and untied cases, 263 s and 191 s
+    "test_vllm_moe.py": 221,
+    "test_vllm_engine.py": 213,
+    "test_grpo_loop.py": 180,
+    "test_vllm_inprocess.py": 161,
+    "test_vllm_lora.py": 110,
+    "test_docs.py": 97,
+    "test_verl_vllm.py": 54,
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The soak runs only when asked for (`-m soak`): it takes minutes."""
+    """Engine tests longest first; the soak runs only when asked for (`-m soak`): it takes minutes."""
+    engine_seconds = {id(i): ENGINE_SECONDS.get(i.path.name, 0) for i in items if "engine" in i.keywords}
+    items.sort(key=lambda i: -engine_seconds.get(id(i), 0))
     if "soak" in (config.option.markexpr or ""):
         return
     skip = pytest.mark.skip(reason="the soak runs only with -m soak (SOAK_MINUTES, default 2)")

@@ -87,14 +87,20 @@ async def test_a_moe_trained_on_two_ranks_is_served_at_tp1_and_tp2(tmp_path: Pat
         }
     )
     servers = [*engines.values(), *references.values()]
+    last = max(SYNCS)
     try:
-        for server in servers:
+        # The last step's references start once the steps before it passed (a failure there needs none).
+        for server in (s for s in servers if s not in (references[(last, 1)], references[(last, 2)])):
             server.launch()
         for server in servers:
-            server.ready(timeout=420)
+            if server.proc is not None:
+                server.ready(timeout=420)
         sub = Subscriber(config)
         await sub.start()
         for step, path in SYNCS.items():
+            if step == last:
+                for server in [references[(step, tp)].launch() for tp in (1, 2)]:
+                    server.ready(timeout=420)
             result = await sub.sync(step)
             assert result.path == path, result
             trained = load_file(str(root / f"hf-{step}" / "model.safetensors"))
