@@ -132,7 +132,7 @@ async def rebuild_pieces(
             carried[part] = sha
     with tempfile.TemporaryDirectory(prefix="pulsesync-resume-") as spool:
         spooled = _PartSpool(reader, Path(spool))
-        out = await _rebuild(reader, anchor, links, pieces, like, stored, held, patching, spooled)
+        out = await _rebuild(reader, anchor, links, pieces, like, stored, held, spooled)
     # The next part is coded against this rank's part of the step, if the step's parts were cut as it is now.
     same = all(
         any(s.piece.rank == rank and _same_place(s.piece, p) for s in stored.get(name, []))
@@ -180,7 +180,6 @@ async def _rebuild(
     like: Mapping[str, torch.Tensor],
     stored: Mapping[str, list[_Stored]],
     held: StepHistory,
-    patching: set[int],
     parts: _PartSpool,
 ) -> RebuiltPieces:
     """Each of `pieces`, one tensor at a time: the anchor's overlapping elements, then every patch's records."""
@@ -196,6 +195,7 @@ async def _rebuild(
         for s in found:
             await _fill(reader, scratch, s, mine, chunk)
         view = {name: scratch.view(mine.shape)}
+        patching = {s.piece.rank for s in found}
         for link in links:
             for k, ref in enumerate(link.objects):
                 if len(link.objects) > 1 and k not in patching:
@@ -269,13 +269,13 @@ async def _stored_pieces(
             header = json.loads(await reader.read(ref, 8, size))
             meta = header.pop("__metadata__", None) or {}
             places = json.loads(meta[PIECES_METADATA]) if PIECES_METADATA in meta else None
-            rank = _rank_of(ref.key) if places is not None else 0
+            part = _rank_of(ref.key) if places is not None else 0
             for name, entry in header.items():
                 begin, end = (int(x) for x in entry["data_offsets"])
                 shape, dtype = tuple(int(x) for x in entry["shape"]), str(entry["dtype"])
                 start, whole, runs, stride = places[name] if places is not None else (0, list(shape), 1, 0)
                 whole = tuple(int(x) for x in whole)
-                piece = Piece(name, int(start), math.prod(shape), whole, dtype, rank, int(runs), int(stride))
+                piece = Piece(name, int(start), math.prod(shape), whole, dtype, part, int(runs), int(stride))
                 _check_place(piece)
                 width = _TORCH_DTYPES[dtype].itemsize
                 if end - begin != piece.length * width or 8 + size + end > ref.size or begin < 0:
