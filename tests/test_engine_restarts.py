@@ -92,38 +92,25 @@ async def test_a_restarted_engine_gets_the_served_state_at_the_next_poll(
         assert restarted.held_digests == [(3, served.digest)] and sub.status.engine_restarts == 1
 
 
-async def test_an_engine_back_while_a_newer_step_fails_to_sync_is_served_it_without_the_backoff(
-    tmp_path: Path, key: Ed25519PrivateKey
+@pytest.mark.parametrize("loading", [False, True], ids=["restarted", "cold-start"])
+async def test_an_engine_answering_during_a_backoff_ends_it_and_is_served_the_newest_step(
+    tmp_path: Path, key: Ed25519PrivateKey, loading: bool
 ) -> None:
-    """Steps published while the engine is down fail to sync and back off (1, 2, 4, 8 s); the engine that comes
-    back is asked on every poll tick of the wait and gets the newest step within a tick and one delivery; its
-    restart is counted once."""
+    """Syncs fail while the engine does not answer and back off (1, 2, 4, 8 s). An engine that comes back (restarted
+    while newer steps were published) or answers for the first time (still loading at a cold start) is asked on
+    every poll tick of the wait, ends it, and holds the newest step within a tick and one delivery; a restart is
+    counted once, a first answer not at all."""
     backoff = {"retry_initial_seconds": 1.0, "retry_max_seconds": 60.0}
-    async with daemon_feeding_an_engine(tmp_path, key, False, **backoff) as (pub, engines, sub):
-        await engines[0].stop()
-        await publish(pub, range(4, 6))
-        await wait_for(lambda: sub.status.consecutive_failures >= 4, "four failed syncs to step 5", 20)
-        restarted = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engines[0].port)  # launch weights
-        engines.append(restarted)
-        await restarted.start()  # the daemon is now in an 8 s backoff
-        step5 = HeldPolicy(5, state_digest(trainer_states(STATES)[5]).root)
-        await wait_for(lambda: sub.step == 5, "the engine back holds step 5, served", 2.5, sub=sub)
-        assert restarted.weight_version == step5.version and restarted.held_digests == [(5, step5.digest)]
-        assert sub.status.engine_restarts == 1  # counted (and logged) once, though the sync sent it the step
-
-
-async def test_an_engine_still_loading_when_the_daemon_starts_is_served_as_soon_as_it_answers(
-    tmp_path: Path, key: Ed25519PrivateKey
-) -> None:
-    """A cold start: the first syncs fail while the engine loads and back off (1, 2, 4, 8 s); the engine answering
-    for the first time ends the wait, so it holds the newest step within a tick and one delivery (not a restart)."""
-    backoff = {"retry_initial_seconds": 1.0, "retry_max_seconds": 60.0}
-    async with daemon_feeding_an_engine(tmp_path, key, False, True, **backoff) as (_, engines, sub):
-        await wait_for(lambda: sub.status.consecutive_failures >= 4, "four failed syncs to step 3", 20)
-        loaded = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engines[0].port)  # launch weights
-        engines.append(loaded)
-        await loaded.start()  # the daemon is now in an 8 s backoff
-        step3 = HeldPolicy(3, state_digest(trainer_states(STATES)[3]).root)
-        await wait_for(lambda: sub.step == 3, "the engine loaded holds step 3, served", 2.5, sub=sub)
-        assert loaded.weight_version == step3.version and loaded.held_digests == [(3, step3.digest)]
-        assert sub.status.engine_restarts == 0
+    async with daemon_feeding_an_engine(tmp_path, key, False, loading, **backoff) as (pub, engines, sub):
+        newest = 3 if loading else 5
+        if not loading:
+            await engines[0].stop()
+            await publish(pub, range(4, 6))
+        await wait_for(lambda: sub.status.consecutive_failures >= 4, f"four failed syncs to step {newest}", 20)
+        answering = VLLMStandIn(module_holding(trainer_states(STATES)[0]), port=engines[0].port)  # launch weights
+        engines.append(answering)
+        await answering.start()  # the daemon is now in an 8 s backoff
+        served = HeldPolicy(newest, state_digest(trainer_states(STATES)[newest]).root)
+        await wait_for(lambda: sub.step == newest, f"the engine answering holds step {newest}, served", 2.5, sub=sub)
+        assert answering.weight_version == served.version and answering.held_digests == [(newest, served.digest)]
+        assert sub.status.engine_restarts == (0 if loading else 1)  # counted (and logged) once, if a restart
