@@ -1,4 +1,4 @@
-"""Retention over a long run: 100,000 signed steps; what a run costs follows what it deletes, not the run's history.
+"""Retention over a long run: 50,000 signed steps; what a run costs follows what it deletes, not the run's history.
 
 The steps are published straight into a MemoryStore (tiny payloads, real signed manifests), a
 retention run after every batch, as a daemon on an interval would. Each run publishes and
@@ -24,8 +24,8 @@ from pulsesync.retention import RetentionPolicy, RetentionWorker
 from pulsesync.store.memory import MemoryStore
 from tests.support.recording_store import RecordingStore
 
-STEPS = 100_000
-BATCH = 2_000  # steps published between two retention runs
+STEPS = 50_000
+BATCH = 1_000  # steps published between two retention runs
 ANCHOR_EVERY = 500
 POLICY = RetentionPolicy(keep_patches=100, keep_anchors=2, grace_seconds=0)
 EARLY, LATE = 5, STEPS // BATCH - 1  # compared runs, 44 runs apart

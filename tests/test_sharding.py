@@ -154,6 +154,16 @@ async def test_a_job_relaunched_on_as_many_ranks_publishes_the_bytes_an_uninterr
     said = (tmp_path / "relaunched" / "torchrun.log").read_text()
     assert "step 3: the ranks' caches do not give step 2 (the ranks' rebuilt pieces compose to digest" in said
     assert said.count("resumed at step 2 from anchor 0 and 2 patches") == 2
+    # Each rank's cache holds what it uploaded since the last committed anchor (step 3's) and nothing before.
+    for rank in (0, 1):
+        cache = tmp_path / "relaunched" / "out" / "fsdp2" / "cache" / f"rank-{rank:05d}"
+        files = [f.relative_to(cache) for f in cache.rglob("*") if f.is_file()]
+        held = sorted((f.parts[1], f.name.replace(f"{rank:05d}", "R")) for f in files)
+        assert [(step, name.split("-R")[0]) for step, name in held] == [
+            (layout.anchor_prefix(3).split("/")[1], "patch-history"),
+            (layout.anchor_prefix(3).split("/")[1], "pieces"),
+            (layout.patch_prefix(4).split("/")[1], "part"),
+        ], held
     runs = [markers(tmp_path / run / "out" / "fsdp2") for run in ("whole", "relaunched")]
     for step in (3, 4):
         name = layout.commit_key(step).split("/")[1]
