@@ -59,7 +59,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from contracts import Contract, enforce
 
-from bench.real_llm import fine_tune, smollm2_gguf
+from bench.real_llm import fine_tune, smollm2_dir
 from pulsesync.protocol import signing
 from pulsesync.publisher import Publisher
 from pulsesync.publisher.config import PublisherConfig
@@ -129,16 +129,7 @@ def train(root: Path, config: dict[str, Any], steps: int, batch: int = 2) -> lis
 
 def smollm2(root: Path, steps: int) -> list[dict[str, torch.Tensor]]:
     """SmolLM2-135M's launch checkpoint in root/launch (its real weights), and the states of its fine-tune."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf()
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(root / "launch")
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    config = loaded.config
-    config.__dict__.pop("quantization_config", None)  # read from GGUF, held dequantized: save it as plain bf16
-    model = type(loaded)(config).to(torch.bfloat16)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(root / "launch")
+    shutil.copytree(smollm2_dir(), root / "launch")
     return fine_tune(steps)[1:]
 
 

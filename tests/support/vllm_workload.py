@@ -170,10 +170,9 @@ def launch_checkpoint(root: Path) -> tuple[Any, Any]:
     """The model and tokenizer; the launch checkpoint (bf16, tokenizer files) in root/launch."""
     import transformers
 
-    from bench.real_llm import smollm2_gguf
+    from bench.real_llm import smollm2_dir
 
-    gguf = smollm2_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_dir())
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
