@@ -384,8 +384,9 @@ def grpo_steps(steps: int, lr: float = 1e-6, seed: int = 0) -> list[State]:
     from pydoc_data.topics import topics
 
     prompts = [f"Explain Python's {k.replace('-', ' ')} in one sentence:" for k in sorted(topics)]
+    output_dir = tempfile.TemporaryDirectory(prefix="pulsesync-grpo-")  # save_strategy="no": it stays empty
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="pulsesync-grpo-"),
+        output_dir=output_dir.name,
         use_cpu=True,
         bf16=False,  # the weights are bf16 already; no autocast
         max_steps=steps,
@@ -408,7 +409,8 @@ def grpo_steps(steps: int, lr: float = 1e-6, seed: int = 0) -> list[State]:
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
         callbacks=[Record()],
     )
-    trainer.train()
+    with output_dir:
+        trainer.train()
     return states
 
 
