@@ -39,6 +39,9 @@ ENGINE_ARGS = {
     "worker_extension": ["--worker-extension-cls", EXTENSION],
     "weight_transfer": ["--weight-transfer-config", json.dumps({"backend": "pulsesync"})],
 }
+# A TP=2 server took 190-240 s to answer in CI's engine stage, three starting side by side beside another
+# test's servers on 2 cores: the deadline is for a server that hangs, not for a slow start.
+START_SECONDS = 480.0
 
 
 class VLLMServer:
@@ -66,9 +69,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    # A TP=2 server took 190-240 s to answer in CI's engine stage, three starting side by side beside
-    # another test's servers on 2 cores: the deadline is for a server that hangs, not for a slow start.
-    def start(self, timeout: float = 480) -> VLLMServer:
+    def start(self, timeout: float = START_SECONDS) -> VLLMServer:
         """Launch the server and wait until it answers."""
         return self.launch().ready(timeout)
 
@@ -111,7 +112,7 @@ class VLLMServer:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def ready(self, timeout: float = 480) -> VLLMServer:
+    def ready(self, timeout: float = START_SECONDS) -> VLLMServer:
         """Wait until the launched server answers /health; RuntimeError if it exits or stays silent."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
