@@ -37,6 +37,7 @@ import numpy as np
 import real_llm  # bench/real_llm.py (this script's folder is on sys.path)
 import torch
 from contracts import enforce
+from counting import row_counts
 
 from pulsesync.codec import CodecParams, PatchHistory, apply_patch, encode
 from pulsesync.codec.baseline import pulse_apply, pulse_encode, pulse_wire
@@ -230,12 +231,11 @@ def ordered(v: np.ndarray) -> np.ndarray:
 
 def entropy_bits(*columns: np.ndarray) -> float:
     """Order-0 entropy (total bits) of the last column given the others (empirical joint counts)."""
-    joint = np.stack([c.astype(np.int64) for c in columns], axis=1)
-    _, counts = np.unique(joint, axis=0, return_counts=True)
+    counts = row_counts(*columns)
     bits = float(-(counts * np.log2(counts / counts.sum())).sum())
     if len(columns) == 1:
         return bits
-    _, context = np.unique(joint[:, :-1], axis=0, return_counts=True)
+    context = row_counts(*columns[:-1])
     return bits - float(-(context * np.log2(context / context.sum())).sum())
 
 

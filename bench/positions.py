@@ -24,6 +24,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from codec import make_steps  # the codec benchmark's workloads
+from counting import unique_counts
 
 from pulsesync.codec.codings import gap_codes
 
@@ -83,7 +84,7 @@ def measure(workload: str) -> dict[str, float]:
                     for k, v in sizes(gaps, z).items():
                         totals[k] = totals.get(k, 0) + v
     changes = sum(g.size for g in all_gaps)
-    _, counts = np.unique(np.concatenate(all_gaps), return_counts=True)
+    _, counts = unique_counts(np.concatenate(all_gaps))
     p = counts / counts.sum()
     result = {k: v / changes for k, v in sorted(totals.items(), key=lambda kv: kv[1])}
     result["order-0 entropy"] = float(-(p * np.log2(p)).sum() / 8)
