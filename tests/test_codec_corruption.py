@@ -27,6 +27,7 @@ from pulsesync.codec import (
 )
 from pulsesync.codec.codings.gap_codes import encode_gap_codes
 from pulsesync.codec.format import (
+    SUPPORTED_VERSIONS,
     PatchHeader,
     PositionCoding,
     RecordHeader,
@@ -171,8 +172,8 @@ def test_version_and_magic(pair, patch) -> None:
     base, _ = pair
     _expect(CorruptPatchError, base, b"NOTAPATCH" + patch[9:], "magic")
     bumped = bytearray(patch)
-    bumped[8] = 5  # format version u16 at offset 8; the header checksum is checked after the version
-    _expect(UnsupportedVersionError, base, bytes(bumped), "version 5")
+    bumped[8] = max(SUPPORTED_VERSIONS) + 1  # format version u16 at offset 8; the header checksum is checked after
+    _expect(UnsupportedVersionError, base, bytes(bumped), f"version {max(SUPPORTED_VERSIONS) + 1}")
 
 
 def test_trailing_bytes(pair, patch) -> None:

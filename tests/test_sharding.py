@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pulsesync.codec.parse import read_header
 from pulsesync.digest import state_digest
 from pulsesync.protocol import layout, signing
 from pulsesync.protocol.manifest import AnchorManifest, PatchManifest, parse_manifest
@@ -134,8 +135,11 @@ async def test_a_rank_killed_mid_step_leaves_no_marker_and_the_relaunched_job_re
     assert len(from_store) == relaunched_on
     if relaunched_on == 2:
         assert from_store == [0, 0], said[-3000:]
-    else:  # ranks 2 and 3 hold no cache
+    else:  # ranks 2 and 3 hold no cache; each codes its part against the parts of step 1 its rows overlap, joined
         assert sorted(from_store)[-2] > 0, said[-3000:]
+        assert said.count("parts joined)") == relaunched_on, said[-3000:]
+        headers = [read_header((root / "store" / ref.key).read_bytes()) for ref in restart.objects]
+        assert any(h.reference_parts for h in headers), headers
     pub = tmp_path / "key" / "publisher.pub"
     await follow(root, pub, [0, 1, *range(kill + 1, STEPS)], 0, ["slow", "fast", "fast", "fast"])
 

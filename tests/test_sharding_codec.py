@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pulsesync.codec import (
+    ChunkHistory,
     CodecParams,
     EncodedPart,
     PatchHistory,
@@ -19,6 +20,8 @@ from pulsesync.codec import (
     encode,
     encode_part,
 )
+from pulsesync.codec import format as fmt
+from pulsesync.codec.encoder import contiguous_chunks
 from pulsesync.codec.parse import PatchDecoder, read_header
 from pulsesync.digest import StateDigest, state_digest
 from pulsesync.errors import ConfigError, CorruptPatchError, IntegrityError, MissingReferenceError
@@ -143,6 +146,136 @@ def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_
     with pytest.raises(MissingReferenceError, match="part 0 is history-coded against patch"):
         apply_parts(fresh, [p.data for p in parts], base_digest=state_digest(states[4]), reference=StepHistory())
     assert_states_equal(fresh, states[4])
+
+
+def _rows_trainer_states(steps: int) -> list[dict[str, torch.Tensor]]:
+    trainer = SyntheticTrainer(
+        llm_like_shapes(256, 2, vocab=96 * 256),
+        lr=1e-6,
+        master_dtype=torch.bfloat16,
+        weight_std=REAL_LIKE_WEIGHT_STD,
+        near_zero_fraction=REAL_LIKE_NEAR_ZERO,
+    )
+    states = [trainer.state()]
+    for _ in range(steps):
+        trainer.step()
+        states.append(trainer.state())
+    return states
+
+
+def _overlapping(a: dict[str, Rows | None], b: dict[str, Rows | None]) -> bool:
+    return any(
+        r is not None and (o := b.get(n)) is not None and r.start < o.stop and o.start < r.stop for n, r in a.items()
+    )
+
+
+def test_a_part_on_another_layout_is_coded_against_the_step_befores_parts_joined_by_position() -> None:
+    """A job relaunched on another world size (rows cut for 2 ranks, then for 3): each new part is coded
+    against the histories of the step before's parts its rows overlap, joined by global position and cut
+    into its own chunks (`StepHistory.joined`, named in a format-5 header's `reference_parts`). A subscriber
+    that holds every part's history decodes it bit for bit; the step costs what the same step on the old
+    layout does, not what self-contained parts do."""
+    states = _rows_trainer_states(3)
+    two, three = split_rows(states[0], 2), split_rows(states[0], 3)
+    held, history = clone_state(states[0]), StepHistory()
+    references: list[PatchHistory | None] = [None, None]
+    for step in (1, 2):
+        parts = _rows_parts(states[step - 1], states[step], two, references)
+        _, history = _apply_collecting(held, parts, state_digest(states[step - 1]), history)
+        references = [p.history for p in parts]
+    same_layout = _rows_parts(states[2], states[3], two, references)  # the step uninterrupted
+    # Each new rank holds only the histories of the parts it overlaps, as a relaunched rank rebuilds them.
+    joined: list[PatchHistory | None] = []
+    for rank in range(3):
+        pieces, _ = local_pieces(rank_view(states[2], three[rank]), rank, three[rank])
+        read = [references[k] for k in range(2) if _overlapping(three[rank], two[k])]
+        keys = contiguous_chunks(pieces, CodecParams().chunk_elements)
+        mine = StepHistory.of(*[r for r in read if r is not None]).joined([r.sha256 for r in read if r], keys)
+        everyone = history.joined([r.sha256 for r in references if r], keys)  # what a subscriber cuts
+        assert mine is not None and everyone is not None and mine.chunks.keys() == everyone.chunks.keys()
+        for key, chunk in mine.chunks.items():
+            assert np.array_equal(chunk.positions, everyone.chunks[key].positions)
+            assert np.array_equal(chunk.deltas, everyone.chunks[key].deltas)
+        joined.append(mine)
+    relaunched = _rows_parts(states[2], states[3], three, joined)
+    headers = [read_header(p.data) for p in relaunched]
+    assert [h.reference_parts for h in headers] == [list(j.parts) if j else None for j in joined]
+    assert all(h.reference_sha256 is None for h in headers) and headers[1].reference_parts is not None
+    assert len(headers[1].reference_parts) == 2  # the middle rank's rows straddle both old ranks'
+    assert all(any("HISTORY/" in coding for coding in p.codings) for p in relaunched)
+    base = clone_state(held)
+    got = apply_parts(held, [p.data for p in relaunched], base_digest=state_digest(states[2]), reference=history)
+    assert_states_equal(held, states[3])
+    assert got.root == state_digest(states[3]).root
+    # Its records code as a job that always ran on 3 ranks codes them: the same chunks, the same changes in them.
+    native: list[PatchHistory | None] = [None, None, None]
+    for step in (1, 2):
+        native = [p.history for p in _rows_parts(states[step - 1], states[step], three, native)]
+    size = sum(len(p.data) for p in relaunched)
+    assert [p.wire["positions"] + p.wire["values"] for p in relaunched] == [
+        p.wire["positions"] + p.wire["values"] for p in _rows_parts(states[2], states[3], three, native)
+    ]
+    assert size <= 1.1 * sum(len(p.data) for p in same_layout)  # 3 parts' framing against 2's, on a small model
+    alone = _rows_parts(states[2], states[3], three, [None, None, None])
+    assert size < 0.9 * sum(len(p.data) for p in alone)
+    # A subscriber that lacks one of the joined parts' histories refuses the part before anything is written.
+    partial = StepHistory.of(*[h for h in history.patches.values()][1:])  # not rank 0's, which the first part joins
+    with pytest.raises(MissingReferenceError, match="part 0 is history-coded against the step before's parts"):
+        apply_parts(base, [p.data for p in relaunched], base_digest=state_digest(states[2]), reference=partial)
+    assert_states_equal(base, states[2])
+    # Format 4 has no header field for joined parts: those parts are coded without a reference.
+    rank = 1
+    pieces, old_local = local_pieces(rank_view(states[2], three[rank]), rank, three[rank])
+    _, new_local = local_pieces(rank_view(states[3], three[rank]), rank, three[rank])
+    old_format = encode_part(
+        old_local,
+        new_local,
+        pieces,
+        CodecParams(format_version=4),
+        part=rank,
+        base_root=state_digest(states[2]).root,
+        dense_bytes_total=0,
+        reference=joined[rank],
+    )
+    assert read_header(old_format.data).reference_parts is None
+    assert not any("HISTORY/" in coding for coding in old_format.codings)
+
+
+def test_reference_parts_only_in_a_format_5_part_that_names_no_single_reference() -> None:
+    """A header that names joined parts anywhere else is refused by name."""
+    states = _rows_trainer_states(2)
+    declared = split_rows(states[0], 2)
+    first = _rows_parts(states[0], states[1], declared, [None, None])
+    part = _rows_parts(
+        states[1],
+        states[2],
+        declared,
+        [StepHistory.of(first[0].history).joined([first[0].history.sha256], [("x", 0, 1)]), None],
+    )[0].data
+    header = read_header(part)
+    for version, fields, problem in [
+        (4, {"reference_parts": ["a" * 64]}, "reference_parts in a format-4 part"),
+        (5, {"reference_parts": ["a" * 64], "reference_sha256": "b" * 64}, "also names reference_sha256"),
+        (5, {"reference_parts": ["a" * 64], "part": None}, "patch that is not a part"),
+    ]:
+        data = fmt.encode_header(header.model_copy(update=fields), version)
+        with pytest.raises(CorruptPatchError, match=problem):
+            fmt.parse_header(data)
+
+
+def test_joined_parts_that_changed_one_element_twice_are_refused_by_name() -> None:
+    """Each element belongs to one rank: a step's parts whose histories both changed it give no one reference."""
+    one = PatchHistory("a" * 64, {("w", 0, 8): ChunkHistory(np.array([1, 5]), np.array([3, -2], np.int16))})
+    other = PatchHistory("b" * 64, {("w", 4, 8): ChunkHistory(np.array([2]), np.array([7], np.int16))})
+    joined = StepHistory.of(one, other).joined([one.sha256, other.sha256], [("w", 0, 4), ("w", 4, 4)])
+    assert joined is not None and joined.parts == (one.sha256, other.sha256)
+    assert {k: (c.positions.tolist(), c.deltas.tolist()) for k, c in joined.chunks.items()} == {
+        ("w", 0, 4): ([1], [3]),
+        ("w", 4, 4): ([1, 2], [-2, 7]),  # element 5 from the first part, 6 from the second
+    }
+    twice = PatchHistory("c" * 64, {("w", 4, 4): ChunkHistory(np.array([1]), np.array([1], np.int16))})
+    with pytest.raises(IntegrityError, match="tensor 'w': two parts of the step before changed the same element"):
+        StepHistory.of(one, twice).joined([one.sha256, twice.sha256], [("w", 0, 8)])
 
 
 def _apply_collecting(

@@ -414,8 +414,7 @@ def apply_parts(
             )
         if whole := [h.name for h, _ in raw_records if h.kind not in _CHUNK_KINDS]:
             raise CorruptPatchError(f"part {index} of a sharded step: tensor {whole[0]!r} has a whole-tensor record")
-        against = reference.get(header.reference_sha256) if reference is not None else None
-        _check_reference(header.reference_sha256, against, f"part {index}")
+        against = _part_reference(header, raw_records, reference, f"part {index}")
         own = histories[index] if histories is not None else None
         moved += _apply_records(state, parser, raw_records, len(patch), undo, against, own, threads, True, True)[0]
     return update_digest(base_digest, state, moved, [], expected)
@@ -440,12 +439,35 @@ def apply_records_of(
     parser = PatchDecoder(max_decoded_bytes)
     raw_records = parser.split(patch)
     header = parser.finish()
-    against = reference.get(header.reference_sha256) if reference is not None else None
-    _check_reference(header.reference_sha256, against, "patch" if header.part is None else f"part {header.part}")
     held = [(h, payload) for h, payload in raw_records if h.name in state]
+    what = "patch" if header.part is None else f"part {header.part}"
+    against = _part_reference(header, held, reference, what)
     if whole := [h.name for h, _ in held if h.kind not in _CHUNK_KINDS]:
         raise CorruptPatchError(f"tensor {whole[0]!r} has a whole-tensor record: its pieces cannot be patched")
     _apply_records(state, parser, held, len(patch), None, against, history, threads, False, False)
+
+
+def _part_reference(
+    header: PatchHeader,
+    records: Sequence[tuple[RecordHeader, memoryview]],
+    reference: StepHistory | None,
+    what: str,
+) -> PatchHistory | None:
+    """The history a patch or part is coded against: the one its header names, or (`reference_parts`) the
+    step before's parts it names joined and cut into its HISTORY records' chunks. MissingReferenceError
+    when what it needs is not held."""
+    if header.reference_parts is None:
+        against = reference.get(header.reference_sha256) if reference is not None else None
+        _check_reference(header.reference_sha256, against, what)
+        return against
+    keys = [(h.name, h.start, h.length) for h, _ in records if h.kind == RecordKind.HISTORY]
+    joined = reference.joined(header.reference_parts, keys) if reference is not None else None
+    if joined is None:
+        raise MissingReferenceError(
+            f"{what} is history-coded against the step before's parts {header.reference_parts[0][:16]}... "
+            f"({len(header.reference_parts)} in all), not all of whose histories are held"
+        )
+    return joined
 
 
 def _check_reference(sha256: str | None, held: PatchHistory | None, what: str) -> None:

@@ -26,6 +26,7 @@ from pulsesync.codec.codings.values import encode_values, entropy_bytes, host, p
 from pulsesync.codec.diff import changed_elements
 from pulsesync.codec.format import (
     INDEXED,
+    REFERENCE_PARTS,
     PatchHeader,
     PositionCoding,
     RecordHeader,
@@ -640,7 +641,8 @@ def encode_part(
     Each piece is a contiguous run of its tensor's flat elements, so a chunk of the local tensor
     is a chunk of the global tensor at `piece.start` on: records carry global starts and the
     global shape, and apply to the whole tensor as any record does. A part is coded as a patch is:
-    against `reference` (this rank's part of the step before, its history) where that is smaller,
+    against `reference` (this rank's part of the step before, its history; after a relaunch on
+    another layout, the step before's parts joined by position, `StepHistory.joined`) where that is smaller,
     else a contiguous piece's first part after an anchor by magnitude class (a strided piece's
     chunks hold other ranks' elements: never). Parts need an incremental digest: the step's
     digest is the base's moved by every part's lane changes.
@@ -648,6 +650,8 @@ def encode_part(
     if params.digest_algorithm not in INCREMENTAL:
         raise ConfigError(f"a sharded publish needs an incremental digest algorithm, not {params.digest_algorithm}")
     reference = reference if params.adaptive else None  # history coding is part of adaptive coding
+    if reference is not None and reference.parts and params.format_version < REFERENCE_PARTS:
+        reference = None  # parts joined by position: a format-5 header names them
     tasks: list[Callable[[], _Record | None]] = []
     for name in sorted(pieces):
         piece, old_t, new_t = pieces[name], base[name], new[name]
@@ -665,10 +669,12 @@ def encode_part(
             name, moved = r.digest_change
             lanes[name] = mixsum.add(lanes.get(name, (0, 0)), moved)
     coded_against = reference if any(r.coding.startswith("HISTORY/") for r in records) else None
-    against = coded_against.sha256 if coded_against is not None else None
-    data, codings, wire = _assemble(
-        params, records, base_root, "", dense_bytes_total, part=part, reference_sha256=against
-    )
+    named: dict[str, Any] = {}
+    if coded_against is not None and coded_against.parts:
+        named["reference_parts"] = list(coded_against.parts)
+    elif coded_against is not None:
+        named["reference_sha256"] = coded_against.sha256
+    data, codings, wire = _assemble(params, records, base_root, "", dense_bytes_total, part=part, **named)
     history = PatchHistory(hashlib.sha256(data).hexdigest(), dict(r.history for r in records if r.history))
     return EncodedPart(data, codings, wire, sum(r.changed for r in records), lanes, history)
 
@@ -738,6 +744,17 @@ def _strided_tasks(
         changed = (positions, old_values[lo:hi], new_values[lo:hi])
         tasks.append(partial(_sparse_record, params, chunk, length, *changed, refs.get((piece.name, start, length))))
     return tasks
+
+
+def contiguous_chunks(pieces: Mapping[str, Piece], chunk_elements: int) -> list[ChunkKey]:
+    """The chunks a part cuts its contiguous pieces into, by global position (a strided piece's are the
+    global tensor's chunks it changed elements in: `_strided_tasks`)."""
+    return [
+        (name, p.start + lo, hi - lo)
+        for name, p in sorted(pieces.items())
+        if p.runs == 1
+        for lo, hi in itertools.pairwise(chunk_bounds(p.length, chunk_elements))
+    ]
 
 
 def chunk_bounds(numel: int, step: int) -> list[int]:

@@ -24,7 +24,7 @@ import enum
 import json
 import math
 import struct
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import xxhash
 import zstandard
@@ -39,9 +39,10 @@ from pulsesync.dtypes import DTypeInfo, dtype_by_code
 from pulsesync.errors import CorruptPatchError, UnsupportedVersionError
 
 MAGIC = b"PULSEPT\x00"
-FORMAT_VERSION = 4  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
-SUPPORTED_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # what the encoder writes by default; the decoder reads every SUPPORTED_VERSIONS
+SUPPORTED_VERSIONS = (1, 2, 3, 4, 5)
 INDEXED = 4  # the first version whose record fields are in an index
+REFERENCE_PARTS = 5  # the first version whose parts may be coded against several parts of the step before
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_CHECKSUM = struct.Struct("<Q")
 RECORD_MAGIC = b"PR"
@@ -107,6 +108,10 @@ class PatchHeader(BaseModel):
     # state_digest is empty, the step's manifest holds the digest the parts compose to. Omitted
     # from the JSON when None, so every other patch reads as before.
     part: int | None = Field(None, ge=0)
+    # v5, a part made on another layout than the step before's (a sharded job relaunched on another
+    # world size): the SHA-256 of each part of the step before whose history its HISTORY records are
+    # coded against, together, by global position (`StepHistory.joined`). Omitted when None.
+    reference_parts: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = Field(None, min_length=1)
     # v4: the record index that follows the header: its compressed bytes, their xxh3-64 and its
     # decompressed bytes. Omitted from the JSON of versions 1-3.
     index_bytes: int | None = Field(None, ge=0)
@@ -163,7 +168,7 @@ class RecordHeader(NamedTuple):
 def encode_header(header: PatchHeader, version: int = FORMAT_VERSION) -> bytes:
     """Preamble, canonical JSON header and its checksum."""
     exclude = {"reference_sha256"} if version == 1 else set()
-    exclude |= {name for name in ("part", *_INDEX_FIELDS) if getattr(header, name) is None}
+    exclude |= {name for name in ("part", "reference_parts", *_INDEX_FIELDS) if getattr(header, name) is None}
     fields = header.model_dump(exclude=exclude)
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     head = PREAMBLE.pack(MAGIC, version, 0, len(body)) + body
@@ -201,6 +206,13 @@ def parse_header(buf: bytes | bytearray | memoryview) -> tuple[PatchHeader, int,
         raise CorruptPatchError(f"patch header is invalid: {e.errors()[0]['msg']}") from None
     if version == 1 and (header.reference_sha256 is not None or header.part is not None):
         raise CorruptPatchError("patch header is invalid: a version 1 patch names a reference or a part")
+    if header.reference_parts is not None and (
+        version < REFERENCE_PARTS or header.part is None or header.reference_sha256 is not None
+    ):
+        raise CorruptPatchError(
+            f"patch header is invalid: reference_parts in a format-{version} "
+            + ("part that also names reference_sha256" if header.part is not None else "patch that is not a part")
+        )
     indexed = [getattr(header, name) is not None for name in _INDEX_FIELDS]
     if indexed != [version >= INDEXED] * len(_INDEX_FIELDS):
         raise CorruptPatchError(f"patch header is invalid: the record index fields do not fit format {version}")

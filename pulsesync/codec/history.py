@@ -6,15 +6,21 @@ record coded against the previous patch's positions and deltas of the same chunk
 encoding it, the subscriber from applying it, or from the anchor of the step, which carries it
 (`history_file`): a subscriber that starts from an anchor holds the reference of the next patch. A sharded
 step's parts each have their own (`StepHistory`): a rank codes its part against its own part of
-the step before, and the chunks of strided pieces repeat across ranks.
+the step before, and the chunks of strided pieces repeat across ranks. A part made on another
+layout than the step before's (a job relaunched on another world size) is coded against the
+histories of the step before's parts joined by global position and cut into its own chunks
+(`StepHistory.joined`): both ends hold those parts' histories, so both cut the same reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
+from pulsesync.errors import IntegrityError
 
 ChunkKey = tuple[str, int, int]  # tensor name, first element, elements
 
@@ -40,6 +46,9 @@ class PatchHistory:
 
     sha256: str
     chunks: dict[ChunkKey, ChunkHistory] = field(default_factory=dict)
+    # A joined reference's (`StepHistory.joined`): the SHA-256 of each part it joins, which a part coded
+    # against it names (`reference_parts`) in place of one patch's SHA-256.
+    parts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -63,3 +72,41 @@ class StepHistory:
     def add(self, sha256: str) -> PatchHistory:
         """An empty history for the object of this SHA-256, held here (an apply fills it)."""
         return self.patches.setdefault(sha256, PatchHistory(sha256))
+
+    def joined(self, parts: Sequence[str], keys: Iterable[ChunkKey]) -> PatchHistory | None:
+        """The histories of `parts` (by SHA-256) joined by global position and cut into the chunks `keys`;
+        None unless every one is held. IntegrityError if two of them changed the same element."""
+        held = [self.patches.get(sha) for sha in parts]
+        if any(h is None for h in held):
+            return None
+        return PatchHistory("", resliced([h for h in held if h is not None], keys), tuple(parts))
+
+
+def resliced(histories: Sequence[PatchHistory], keys: Iterable[ChunkKey]) -> dict[ChunkKey, ChunkHistory]:
+    """What `histories` changed, by global position, in each chunk of `keys` (those it changed elements in).
+
+    A chunk (name, start, length) holds the changes at flat positions [start, start + length) of
+    tensor `name`, whichever chunk of whichever history recorded them, in increasing order.
+    """
+    wanted: dict[str, list[ChunkKey]] = {}
+    for key in keys:
+        wanted.setdefault(key[0], []).append(key)
+    found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for history in histories:
+        for (name, start, _), chunk in history.chunks.items():
+            if name in wanted:
+                found.setdefault(name, []).append((start + chunk.positions.astype(np.int64), chunk.deltas))
+    out: dict[ChunkKey, ChunkHistory] = {}
+    for name, changes in found.items():
+        positions = np.concatenate([p for p, _ in changes])
+        deltas = np.concatenate([d for _, d in changes])
+        order = np.argsort(positions, kind="stable")
+        positions, deltas = positions[order], deltas[order]
+        if positions.size > 1 and not (np.diff(positions) > 0).all():
+            raise IntegrityError(f"tensor {name!r}: two parts of the step before changed the same element")
+        for key in wanted[name]:
+            _, start, length = key
+            lo, hi = np.searchsorted(positions, [start, start + length])
+            if hi > lo:
+                out[key] = ChunkHistory(positions[lo:hi] - start, deltas[lo:hi])
+    return out

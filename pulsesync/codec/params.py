@@ -19,9 +19,11 @@ class CodecParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format_version: Literal[1, 2, 3, 4] = Field(
-        4,
-        description="patch format to write: 4 (default); 3 for fleets with subscribers before the record index, "
+    format_version: Literal[1, 2, 3, 4, 5] = Field(
+        5,
+        description="patch format to write: 5 (default); 4 for fleets with subscribers before a relaunched sharded "
+        "job's parts could be coded against the step before's (docs/patch-format.md), "
+        "3 before the record index, "
         "2 before CLASS_MASKS, EXP_CODES and PREDICTED_CODES; 1 before 0.2",
     )
     value_coding: ValueCodingName = Field(

@@ -363,7 +363,7 @@ class PatchDecoder:
     def _admit(self, h: RecordHeader) -> None:
         """Check a record against the header's totals and the records before it."""
         assert self.header is not None
-        if h.kind == RecordKind.HISTORY and self.header.reference_sha256 is None:
+        if h.kind == RecordKind.HISTORY and self.header.reference_sha256 is None and not self.header.reference_parts:
             raise CorruptPatchError(f"record for tensor {h.name!r} is history-coded, the patch names no reference")
         if h.kind == RecordKind.END:
             if h.count != self._records or self._records != self.header.records:

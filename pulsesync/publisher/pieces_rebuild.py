@@ -8,9 +8,11 @@ out. Working memory is one tensor. Nothing read here is trusted on its own: the 
 rebuilt pieces of every rank together against the step's signed digest (mixsum-128 lane sums,
 as an anchor's commit composes them) before publishing anything against them.
 
-The rank's part history at the step (what the next part is coded against) is rebuilt too when the
-layout is the one the parts were made in (the same world size and pieces); after a reshard the
-next part is coded without a reference.
+The rank's part history at the step (what the next part is coded against) is rebuilt too: when the
+layout is the one the parts were made in (the same world size and pieces), its own part's; after a
+reshard, the histories of the parts its pieces overlap, joined by position and cut into its
+contiguous pieces' chunks (`StepHistory.joined`; a strided piece's chunks hold other ranks'
+elements, whose parts it did not read: coded without a reference).
 
 Only what the rank's pieces need is read: its own pieces file's header first (on the same layout
 no other file's), the histories and parts of the ranks whose pieces overlap its own, each object
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from pulsesync.codec import PatchHistory, StepHistory, apply_records_of
+from pulsesync.codec.encoder import contiguous_chunks
 from pulsesync.codec.history_file import HISTORY_FILE, read_history
 from pulsesync.dtypes import DTYPES
 from pulsesync.errors import IntegrityError, PulseSyncError
@@ -113,8 +116,10 @@ async def rebuild_pieces(
     like: Mapping[str, torch.Tensor],
     rank: int,
     world: int,
+    chunk_elements: int,
 ) -> RebuiltPieces:
-    """This rank's `pieces` at the step `links` end at (the anchor's, without links), each shaped as `like`'s.
+    """This rank's `pieces` at the step `links` end at (the anchor's, without links), each shaped as `like`'s,
+    and its next part's reference (its next part is cut in chunks of `chunk_elements`).
 
     IntegrityError (or another PulseSyncError) when the objects read do not give them: the caller
     publishes an anchor instead.
@@ -142,6 +147,13 @@ async def rebuild_pieces(
         out.history = held.get(links[-1].objects[rank].sha256)
     elif same and not links and len(anchor.histories) == world:
         out.history = held.get(carried.get(rank))
+    elif not same:  # another layout: the overlapping parts' histories, joined, in this rank's chunks
+        if links:
+            objects = links[-1].objects
+            read = [objects[k].sha256 for k in sorted(patching)] if len(objects) > 1 else [objects[0].sha256]
+        else:
+            read = [carried[k] for k in sorted(carried)]
+        out.history = held.joined(read, contiguous_chunks(pieces, chunk_elements)) if read else None
     return out
 
 

@@ -214,6 +214,9 @@ class ShardedRounds(Rounds):
         self._base_root, self._base_step, self._history = root, step, rebuilt.history
         self._committed_step, self._anchor_next = step, False
         self._schedule.resume({anchor.step: {"anchor"}} | {link.step: {"patch"} for link in links})
+        reference = "none" if rebuilt.history is None else "its own part's"
+        if rebuilt.history is not None and rebuilt.history.parts:
+            reference = f"{len(rebuilt.history.parts)} parts joined"
         log.info(
             "resumed at step %d from anchor %d and %d patches: rank %d read %d bytes from the store and %d from its "
             "cache in %.1f s (history %s)",
@@ -224,7 +227,7 @@ class ShardedRounds(Rounds):
             reader.store.bytes_downloaded,
             reader.cache.bytes_downloaded if reader.cache is not None else 0,
             time.perf_counter() - t0,
-            "rebuilt" if rebuilt.history is not None else "none: the parts were cut otherwise",
+            reference,
         )
 
     async def _rebuild_and_prove(
@@ -241,7 +244,9 @@ class ShardedRounds(Rounds):
         if not isinstance(found, str):
             anchor, links = found
             try:
-                rebuilt = await rebuild_pieces(reader, anchor, links, pieces, snap.state, self.rank, self.world)
+                rebuilt = await rebuild_pieces(
+                    reader, anchor, links, pieces, snap.state, self.rank, self.world, self.config.codec.chunk_elements
+                )
                 for name, piece in sorted(pieces.items()):
                     sums.append((name, await asyncio.to_thread(_piece_sums, piece, rebuilt.state[name])))
             except Exception as e:  # whatever the bytes read make of it: an anchor on every rank, never a hang
