@@ -103,10 +103,8 @@ def _rows_parts(
     return parts
 
 
-def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_unsharded_patches() -> None:
-    """Each rank codes its part against its own part of the step before (the subscriber holds every part's
-    history, by SHA-256): bit-exact step after step; positions and values cost what the unsharded patch's
-    do (framing is per record, and a split makes more of them: bench/sharded.py measures the whole)."""
+def _rows_trainer_states(steps: int) -> list[dict[str, torch.Tensor]]:
+    """A small Llama's bf16 states over `steps` AdamW steps at lr 1e-6 (real-like weights)."""
     trainer = SyntheticTrainer(
         llm_like_shapes(256, 2, vocab=96 * 256),
         lr=1e-6,
@@ -115,9 +113,17 @@ def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_
         near_zero_fraction=REAL_LIKE_NEAR_ZERO,
     )
     states = [trainer.state()]
-    for _ in range(5):
+    for _ in range(steps):
         trainer.step()
         states.append(trainer.state())
+    return states
+
+
+def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_unsharded_patches() -> None:
+    """Each rank codes its part against its own part of the step before (the subscriber holds every part's
+    history, by SHA-256): bit-exact step after step; positions and values cost what the unsharded patch's
+    do (framing is per record, and a split makes more of them: bench/sharded.py measures the whole)."""
+    states = _rows_trainer_states(5)
     declared = split_rows(states[0], 2)
     held, history = clone_state(states[0]), StepHistory()
     references: list[PatchHistory | None] = [None, None]
@@ -146,21 +152,6 @@ def test_parts_are_history_coded_against_each_ranks_part_before_and_code_as_the_
     with pytest.raises(MissingReferenceError, match="part 0 is history-coded against patch"):
         apply_parts(fresh, [p.data for p in parts], base_digest=state_digest(states[4]), reference=StepHistory())
     assert_states_equal(fresh, states[4])
-
-
-def _rows_trainer_states(steps: int) -> list[dict[str, torch.Tensor]]:
-    trainer = SyntheticTrainer(
-        llm_like_shapes(256, 2, vocab=96 * 256),
-        lr=1e-6,
-        master_dtype=torch.bfloat16,
-        weight_std=REAL_LIKE_WEIGHT_STD,
-        near_zero_fraction=REAL_LIKE_NEAR_ZERO,
-    )
-    states = [trainer.state()]
-    for _ in range(steps):
-        trainer.step()
-        states.append(trainer.state())
-    return states
 
 
 def _overlapping(a: dict[str, Rows | None], b: dict[str, Rows | None]) -> bool:
