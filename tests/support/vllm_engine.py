@@ -42,6 +42,7 @@ ENGINE_ARGS = {
 # A TP=2 server took 190-240 s to answer in CI's engine stage, three starting side by side beside another
 # test's servers on 2 cores: the deadline is for a server that hangs, not for a slow start.
 START_SECONDS = 480.0
+FIRST_TOKEN_SECONDS = 120.0  # a fresh tiny model's first token takes well under a second; vLLM gives up at 300
 
 
 class VLLMServer:
@@ -113,19 +114,44 @@ class VLLMServer:
         return self
 
     def ready(self, timeout: float = START_SECONDS) -> VLLMServer:
-        """Wait until the launched server answers /health; RuntimeError if it exits or stays silent."""
+        """Wait until the launched server answers /health and generates a token; RuntimeError if it exits or stays
+        silent. A server whose first token does not come is started once more: on 2 shared cores a fresh TP=2
+        server's workers once hung on its first forward pass until vLLM's 300 s step timeout killed the engine,
+        which no test is about."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vLLM did not answer within {timeout:g}s; see {self.log}")
+        for attempt in (1, 2):
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"vLLM exited with {self.proc.returncode}; see {self.log}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2):
+                        break
+                except OSError:
+                    time.sleep(1)
+            else:
+                self.stop()
+                raise RuntimeError(f"vLLM did not answer within {timeout:g}s; see {self.log}")
+            if self._generates(min(FIRST_TOKEN_SECONDS, max(1.0, deadline - time.monotonic()))):
+                return self
+            self.stop(signal.SIGKILL)
+            if attempt == 1:
+                with open(self.log, "ab") as log:
+                    log.write(b"\n== tests: no first token; starting the server again ==\n")
+                self.launch()
+        raise RuntimeError(f"vLLM generated no token twice; see {self.log}")
+
+    def _generates(self, timeout: float) -> bool:
+        """Whether the server completes one token of a one-token prompt within `timeout` seconds."""
+        body = json.dumps({"model": "tiny", "prompt": [1], "max_tokens": 1, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            self.url + "/v1/completions", body, {"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server: SIGTERM, a clean shutdown; SIGKILL, a crash (every process of it at once)."""
