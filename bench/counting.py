@@ -8,8 +8,8 @@ import numpy as np
 
 def unique_counts(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`np.unique(values, return_counts=True)` for a 1-D array: the sorted distinct values and how often each occurs."""
-    values = np.sort(values, kind="stable")
-    starts = np.flatnonzero(np.concatenate(([True], values[1:] != values[:-1])))
+    values = np.sort(values)
+    starts = np.flatnonzero(np.concatenate(([values.size > 0], values[1:] != values[:-1])))
     return values[starts], np.diff(np.append(starts, values.size))
 
 
