@@ -23,8 +23,8 @@ is rebuilt from this worker's copy of its part of the checkpoint tensors, on a t
 (`engine.twins`), so a sparse update stays sparse and each rank keeps only its share.
 Full updates go through vLLM's `reload_weights`, which shards whole checkpoint tensors itself.
 A full update ends by rehearsing the first delta's work (`_rehearse`): the shadow copied into memory
-of its own (not pages of the update file) and each rebuilt module prepared once on a twin that is
-dropped (not in MoE models), so that the first delta after a start costs what the next ones do.
+of its own (not pages of the update file) and every rebuilt module rebuilt from it as a delta
+rebuilds them (not in MoE models), so that the first delta after a start costs what the next ones do.
 """
 
 from __future__ import annotations
@@ -292,23 +292,28 @@ class WeightApplier:
     def _rehearse(self) -> None:
         """Do once, at a full update, what the first delta after it would pay before its pause.
 
-        That delta's writes faulted in the shadow's pages (still the update file's) and its twins
-        met the allocator and the engine's post-load kernels for the first time: its staging took
-        5x the next ones' (bench/engines.py). The shadow gets memory of its own, and each rebuilt
-        module is prepared once on a twin that is dropped before the next is made: twins held
-        together, or a second round, left an in-process engine computing otherwise than a fresh one
-        (tests/test_vllm_inprocess.py, greedy logprobs after the full update). Not in a MoE model: a
+        A delta prepares a twin of every module it rebuilds, holds them all, then installs them.
+        The first to do so after a start grew the worker's heap from the operating system page by
+        page: for a 0.27B Llama, 229k minor faults and a staging 5x the next ones'
+        (bench/engines.py). So the full update rebuilds every such module the same way, from the
+        shadow (the bits it holds), and gives the shadow memory of its own (not pages of the update
+        file). The twins are installed, never dropped: dropped twins left an in-process engine
+        computing otherwise than a fresh one (tests/test_vllm_inprocess.py). Not in a MoE model: a
         twin there prepacks into the experts kernel it shares with the live layer, and no MoE engine
-        test passes here to prove a dropped one harmless (tests/test_vllm_moe.py fails on this machine
-        without the rehearsal too).
+        test passes here to prove a rehearsal harmless (tests/test_vllm_moe.py fails on this machine
+        without it too).
         """
         if any(experts_kernel(module) is not None for module in self.model.modules()):
             return  # a MoE model: its twins share the experts kernel; left as it was until a MoE test proves it safe
         modules = sorted({self.layout.slots[name].module for name in self.shadow})
         self.shadow = {name: tensor.clone() for name, tensor in self.shadow.items()}
         with torch.no_grad():
-            for module in modules:  # each twin dropped before the next is made (see the docstring)
-                self.rebuilder.prepare(self.model.get_submodule(module), self._model_format(module, self.shadow))
+            twins = {
+                m: self.rebuilder.prepare(self.model.get_submodule(m), self._model_format(m, self.shadow))
+                for m in modules
+            }
+            for module, twin in sorted(twins.items()):
+                install(self.model.get_submodule(module), twin)
 
     def _apply_delta(
         self, update: WeightUpdate, journal: Journal, twins: Mapping[str, torch.nn.Module], drill: int | None
