@@ -18,9 +18,10 @@ Bit-exact: each worker's digest of what it holds equals the digest of its region
 The pause, per fast-path step on a real TP=1 server (pulsesync's weight-transfer backend), for the
 real SmolLM2-135M (fine-tuned with AdamW at lr 1e-6 on English text, bench/real_llm.py) and a
 random-weight Llama of 0.49B (Qwen2-0.5B's shape; AdamW at lr 1e-6 on random tokens; quick: 0.27B).
-The trainer's `Publisher` publishes an anchor and two patches first (a trainer that has run a
-while); then a `pulsesync subscribe` daemon (`Subscriber.run`, poll_seconds 0.1) starts, takes the
-slow path to that step, and feeds the server while `Publisher.publish()` publishes each next step:
+The server is started STARTS (3) times, each on the launch checkpoint with a store of its own: the
+trainer's `Publisher` publishes an anchor and two patches first (a trainer that has run a while);
+then a `pulsesync subscribe` daemon (`Subscriber.run`, poll_seconds 0.1) starts, takes the slow path
+to that step, and feeds the server while `Publisher.publish()` publishes each next step:
 
   publish_to_served  from publish() returning to GET /weight_info naming the step, generation resumed
   before_pause       from publish() returning to the pause: the poll, fetch, verify and decode,
@@ -28,14 +29,14 @@ slow path to that step, and feeds the server while `Publisher.publish()` publish
                      reading, validating and preparing the rebuilt modules, the slowest worker's)
   pause              requests held by the engine: POST /pause to /resume's reply, of which
                      `apply` (start, update, commit, finish on every worker) and `reset` (prefix cache)
-  full_reload        in the same run, vLLM reloading the same step from a full checkpoint on disk
+  full_reload        on the last start, vLLM reloading the same step from a full checkpoint on disk
                      (`collective_rpc reload_weights {"weights_path"}`), the alternative to a patch
-  first_over_next    the first fast-path step's publish_to_served after the daemon started, over the
-                     median of the steps after it: what a sidecar, engine or mirror restart adds
+  first_over_next    per start, the first fast-path step's publish_to_served over the median of the
+                     four after it (what an engine and sidecar start adds); the median of the starts
 
 Contracts (exit 1 when broken): bit-exact; the largest TP=2 worker's received and kept bytes
 <= 0.6x the TP=1 worker's; at every size, each step's pause <= full_reload and first_over_next
-<= 2.5. Without a vLLM venv it says so and exits 1.
+<= 1.5. Without a vLLM venv it says so and exits 1.
 
     PULSESYNC_VLLM_PYTHON=.venv-vllm/bin/python python bench/engines.py --quick --json out.json
 """
@@ -99,7 +100,8 @@ LLAMA_05B = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
-FIRST_OVER_NEXT = 2.5  # the contract (the aim is 1.3)
+FIRST_OVER_NEXT = 1.5  # the contract on the median of the starts (the aim, 1.3, is met by most starts, not all)
+STARTS = 3  # server and daemon starts per size: one start's first step is one sample of a noisy 2-core host
 WARM = 3  # steps published before the daemon starts: an anchor, a first patch, a history-coded one
 LLAMA_03B = LLAMA_05B | {"vocab_size": 32000, "num_hidden_layers": 16}  # quick: 0.27B
 
@@ -145,10 +147,29 @@ def checkpoint_dir(root: Path, launch: Path, state: dict[str, torch.Tensor]) -> 
 
 
 async def pause(root: Path, size: str, states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """Publish step by step to a daemon-fed TP=1 server: each fast-path step's pause and its split; a full reload."""
+    """STARTS starts of a TP=1 server and its daemon, each fed step by step; a full reload on the last server."""
+    steps: list[dict[str, float]] = []
+    full_reload_s = 0.0
+    for start in range(STARTS):
+        started, full_reload_s = await one_start(
+            root / f"start-{start}", root / "launch", states, full_reload=start == STARTS - 1
+        )
+        steps += [st | {"start": start} for st in started]
+    last = states[-1]
+    tied = "lm_head.weight" in last and torch.equal(last["lm_head.weight"], last["model.embed_tokens.weight"])
+    parameters = sum(t.numel() for n, t in last.items() if not (tied and n == "lm_head.weight"))
+    return {"size": size, "parameters": parameters, "steps": steps, "full_reload_s": full_reload_s}
+
+
+async def one_start(
+    root: Path, launch: Path, states: list[dict[str, torch.Tensor]], *, full_reload: bool
+) -> tuple[list[dict[str, float]], float]:
+    """Start a TP=1 server on `launch` and publish step by step to its daemon: each fast-path step's pause and
+    its split; with `full_reload`, vLLM reloading the last step from a full checkpoint."""
+    root.mkdir()
     key = Ed25519PrivateKey.generate()
     store = FileStore(root / "store")
-    server = VLLMServer(root / "launch", root / "vllm.log", eager=True, engine_api="weight_transfer").start(600)
+    server = VLLMServer(launch, root / "vllm.log", eager=True, engine_api="weight_transfer").start(600)
     steps: list[dict[str, float]] = []
     try:
         sink = VLLMSinkConfig(url=server.url, update_dir=root / "updates")
@@ -201,18 +222,17 @@ async def pause(root: Path, size: str, states: list[dict[str, torch.Tensor]]) ->
             stop.set()
             await daemon
             await subscriber.close()
-        full = checkpoint_dir(root, root / "launch", states[-1])
-        async with EngineClient(server.url, None, 1200) as engine:
-            started = time.perf_counter()
-            body = {"method": "reload_weights", "kwargs": {"weights_path": str(full)}, "timeout": 1200}
-            await engine.post("/collective_rpc", body)
-            full_reload_s = time.perf_counter() - started
+        full_reload_s = 0.0
+        if full_reload:
+            full = checkpoint_dir(root, launch, states[-1])
+            async with EngineClient(server.url, None, 1200) as engine:
+                started = time.perf_counter()
+                body = {"method": "reload_weights", "kwargs": {"weights_path": str(full)}, "timeout": 1200}
+                await engine.post("/collective_rpc", body)
+                full_reload_s = time.perf_counter() - started
     finally:
         server.stop()
-    last = states[-1]
-    tied = "lm_head.weight" in last and torch.equal(last["lm_head.weight"], last["model.embed_tokens.weight"])
-    parameters = sum(t.numel() for n, t in last.items() if not (tied and n == "lm_head.weight"))
-    return {"size": size, "parameters": parameters, "steps": steps, "full_reload_s": full_reload_s}
+    return steps, full_reload_s
 
 
 async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
@@ -262,9 +282,12 @@ async def run(root: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def first_over_next(steps: list[dict[str, float]]) -> float:
-    """The first fast-path step's publish_to_served over the median of the steps after it."""
-    first, *rest = (st["publish_to_served_s"] for st in steps)
-    return first / statistics.median(rest)
+    """Per start, the first fast-path step's publish_to_served over the median of the steps after it; their median."""
+    ratios = []
+    for start in sorted({st["start"] for st in steps}):
+        first, *rest = (st["publish_to_served_s"] for st in steps if st["start"] == start)
+        ratios.append(first / statistics.median(rest))
+    return statistics.median(ratios)
 
 
 def main() -> None:
@@ -305,19 +328,22 @@ def main() -> None:
         for rank, (got, kept, s) in enumerate(zip(r["received_bytes"], r["kept_bytes"], r["apply_s"], strict=True)):
             print(f"{tp:>3} {rank:>6} {got / 1e6:>12.3f} {kept / 1e6:>9.3f} {s:>8.4f} {r['bit_exact']!s:>10}")
     print(
-        f"\n{'model':<14} {'params':>7} {'step':>4} {'publish->served s':>17} {'before pause s':>14} {'prepare s':>9} "
-        f"{'stage s':>8} {'pause s':>8} {'apply s':>8} {'reset s':>8} {'full reload s':>13}"
+        f"\n{'model':<14} {'params':>7} {'start':>5} {'step':>4} {'publish->served s':>17} {'before pause s':>14} "
+        f"{'prepare s':>9} {'stage s':>8} {'pause s':>8} {'apply s':>8} {'reset s':>8} {'full reload s':>13}"
     )
     for p in pauses:
         for st in p["steps"]:
             print(
-                f"{p['size']:<14} {p['parameters'] / 1e6:>6.0f}M {st['step']:>4} {st['publish_to_served_s']:>17.3f} "
+                f"{p['size']:<14} {p['parameters'] / 1e6:>6.0f}M {st['start']:>5} {st['step']:>4} "
+                f"{st['publish_to_served_s']:>17.3f} "
                 f"{st['before_pause_s']:>14.3f} {st['prepare_s']:>9.3f} "
                 f"{st['stage_s']:>8.3f} {st['pause_s']:>8.3f} {st['apply_s']:>8.3f} "
                 f"{st['reset_s']:>8.3f} {p['full_reload_s']:>13.3f}"
             )
         first = first_over_next(p["steps"])
-        print(f"{p['size']}: the first fast-path step after the daemon started is {first:.2f}x the next")
+        print(
+            f"{p['size']}: the first fast-path step after a start is {first:.2f}x the next (median of {STARTS} starts)"
+        )
     result = {
         "pause": {
             p["size"]: {
