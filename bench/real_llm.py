@@ -14,8 +14,8 @@ recurrence).
     python bench/real_llm.py --workloads grpo --steps 6     # an RL update: TRL's GRPOTrainer
 
 Besides the workload the codec was tuned on (`sft`), three it was not: another text source
-(standard-library docstrings) with another batch, lr 1e-5 with another batch shape, and GRPO; one
-of them is also coded by publishers restarted every step with an anchor every 2 steps, whose bytes must be
+(standard-library docstrings) with another batch, lr 1e-5 with another batch shape, and GRPO. Every
+workload is also coded by publishers restarted every step with an anchor every 2 steps, whose bytes must be
 those of one publisher without anchors (the first patch after an anchor is history-coded: the anchor carries
 its step's patch history). Each step
 is compared with PULSE's default, NVIDIA ModelExpress's coding (XOR with the previous version +
@@ -456,8 +456,7 @@ ALL_WORKLOADS = WORKLOADS | MOE_WORKLOADS | LORA_WORKLOADS
 MOE_STEADY_FLOOR = 2.5
 MOE_FIRST_PATCH_FLOOR = 2.0
 LORA_BOUND = 1.15  # bytes over the order-0 entropy of the step's ULP moves, at most
-# Coded through real publishers, one process per step (a checkpoint hook's `publish --checkpoint`), as well.
-RESTARTED = "sft-docstrings"
+# Every workload is coded through real publishers too, one per step (a checkpoint hook's `publish --checkpoint`).
 RESTARTED_ANCHOR_INTERVAL = 2  # its restarted publishers add an anchor every 2 steps: patches after anchors
 FIRST_AFTER_ANCHOR_BOUND = 1.02  # the first patch after an anchor over the same step history-coded, at most
 
@@ -684,17 +683,17 @@ def measure(steps: int = 6, leads: bool = False, workload: str = "sft") -> dict[
     if workload in LORA_WORKLOADS:
         result["worst_bytes_over_entropy_bound"] = max(r["bytes_over_entropy_bound"] for r in rows)
         result["worst_ratio_vs_raw"] = min(r["ratio_vs_raw"] for r in rows)
-    if workload == RESTARTED:  # a publisher per step, anchors between, must write what one publisher writes
-        restarted, after_anchor = restarted_patch_bytes(states)
-        one = [r["pulsesync_bytes"] for r in rows]
-        result["restarted_bytes_equal"] = restarted == one
-        if not after_anchor:
-            sys.exit(f"{workload}: no patch step after an anchor in {len(rows)} steps: give it more steps")
-        # The first patch after an anchor over the same step history-coded as if there were no anchor.
-        over = max(restarted[s - 2] / one[s - 2] for s in after_anchor)
-        result["first_after_anchor_over_history"] = over
-        if not result["restarted_bytes_equal"]:
-            sys.exit(f"{workload}: publishers restarted every step wrote {restarted} bytes, one publisher {one}")
+    # Publishers restarted at every step, anchors between, must write what one publisher writes.
+    restarted, after_anchor = restarted_patch_bytes(states)
+    one = [r["pulsesync_bytes"] for r in rows]
+    result["restarted_bytes_equal"] = restarted == one
+    if not after_anchor:
+        sys.exit(f"{workload}: no patch step after an anchor in {len(rows)} steps: give it more steps")
+    # The first patch after an anchor over the same step history-coded as if there were no anchor.
+    over = max(restarted[s - 2] / one[s - 2] for s in after_anchor)
+    result["first_after_anchor_over_history"] = over
+    if not result["restarted_bytes_equal"]:
+        sys.exit(f"{workload}: publishers restarted every step wrote {restarted} bytes, one publisher {one}")
     result["seconds"] = {"fine_tune": trained, "total": time.perf_counter() - t0}
     return result
 
