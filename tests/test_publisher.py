@@ -405,6 +405,20 @@ def test_host_copy_pool_recycles_only_released_buffers() -> None:
     assert pool.copy(other_shape) is not third  # a different layout never reuses them
 
 
+def test_host_copy_pool_keeps_no_buffers_of_a_layout_it_no_longer_copies() -> None:
+    """After the state's tensors change (a tensor added, a sharded rank's new pieces), the free buffers of
+    the old ones go: the host holds a baseline and the next copy's buffers, not also those of before."""
+    from pulsesync.publisher.host_copy import HostCopyPool
+
+    pool = HostCopyPool(keep=1)
+    (before,) = trainer_states(1)
+    pool.release(pool.copy(before))
+    assert pool.free_bytes == sum(t.numel() * t.element_size() for t in before.values())
+    grown = before | {"grown": torch.zeros(4, dtype=torch.bfloat16)}
+    pool.release(pool.copy(grown))
+    assert pool.free_bytes == sum(t.numel() * t.element_size() for t in grown.values())
+
+
 async def test_resume_publishes_an_anchor_when_the_chain_cannot_be_rebuilt(
     tmp_path: Path, key: Ed25519PrivateKey, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -53,10 +53,18 @@ def markers(root: Path) -> dict[str, PatchManifest | object]:
     return {p.name: parse_manifest(p.read_bytes()) for p in sorted((root / "store" / "ready").iterdir())}
 
 
-async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expected: list[str] | None = None) -> None:
+async def follow(
+    root: Path,
+    pub: Path,
+    steps: list[int],
+    nproc: int,
+    paths_expected: list[str] | None = None,
+    llama: bool = True,
+) -> None:
     """A subscriber syncs step by step (anchor, then fast paths); a fresh one rebuilds the last from an anchor.
 
-    `nproc`: the parts every patch must have (0: not checked)."""
+    `nproc`: the parts every patch must have (0: not checked); `llama`: the state is the Llama's, which
+    from_pretrained reads back from the fresh subscriber's directory."""
     store = FileStore(root / "store")
     sub = Subscriber(SubscriberConfig(), store=store, trusted=signing.trusted_keys([pub]))
     unsharded = FileStore(root / "unsharded")
@@ -89,8 +97,9 @@ async def follow(root: Path, pub: Path, steps: list[int], nproc: int, paths_expe
     assert fresh.state is not None
     last = load_file(str(root / f"full-{steps[-1]}.safetensors"))
     assert_states_equal(fresh.state, last)
-    model = LlamaForCausalLM.from_pretrained(root / "served" / "current", dtype=torch.bfloat16)
-    assert_states_equal({n: t.contiguous() for n, t in model.state_dict().items()}, last)
+    if llama:
+        model = LlamaForCausalLM.from_pretrained(root / "served" / "current", dtype=torch.bfloat16)
+        assert_states_equal({n: t.contiguous() for n, t in model.state_dict().items()}, last)
     await sub.close()
     await fresh.close()
 
@@ -198,3 +207,18 @@ async def test_a_relaunch_whose_rebuilt_pieces_do_not_prove_publishes_an_anchor_
     assert sub.state is not None
     assert_states_equal(sub.state, load_file(str(root / "full-3.safetensors")))
     await sub.close()
+
+
+async def test_a_rank_whose_pieces_move_makes_the_step_an_anchor_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 publishes a tensor it did not have from step 2 on (the `grows` layout) while rank 1's pieces
+    stay: step 2 is committed as an anchor, not a patch (rank 1's patch part of it, made before the ranks'
+    parts said so, is in no manifest), and a subscriber follows every step bit for bit."""
+    out = torchrun(tmp_path, 2, "grows")
+    root = out / "grows"
+    commit = parse_manifest((root / "store" / layout.commit_key(2)).read_bytes())
+    assert isinstance(commit, AnchorManifest), commit
+    assert "model.grown.weight" in commit.state_digest.tensors
+    listed = {ref.key for manifest in markers(root).values() for ref in getattr(manifest, "objects", [])}
+    assert not any(key.startswith(layout.patch_prefix(2)) for key in listed), listed
+    paths = ["slow", "fast", "slow", "fast", "fast"]  # step 2, an anchor, is the slow path's
+    await follow(root, tmp_path / "key" / "publisher.pub", list(range(STEPS)), 0, paths, llama=False)

@@ -93,7 +93,10 @@ class HostCopyPool:
             del self._refs[id(buffers)]
             items = [(n, t.shape, t.dtype) for n, t in buffers.items()]
             pinned = any(t.is_pinned() for t in buffers.values())
-            free = self._free.setdefault(_signature(items, pinned), [])
+            key = _signature(items, pinned)
+            # Sets of another signature (the tensors before a layout change) would never be copied into again.
+            self._free = {key: self._free.get(key, [])}
+            free = self._free[key]
             if len(free) < self._keep:
                 free.append(buffers)
 

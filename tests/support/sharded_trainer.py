@@ -15,6 +15,8 @@ whole model of every step to OUT/<layout>/full-<step>.safetensors, for the test 
             rank 0, the head and final norm on the last rank), as pipeline stages do
   experts   plain tensors: each rank owns the MLPs ("experts") of its layers whole; attention and
             embeddings are held by every rank and declared owned by rank 0 (None elsewhere)
+  grows     pipeline, and from step GROWS_AT on rank 0 also publishes a tensor it did not have (a new
+            buffer): rank 0's pieces move, the others' do not, and that step is an anchor on every rank
   moe       a tiny Qwen3-MoE (tests/support/vllm_workload.py TINY_QWEN3_MOE) in checkpoint naming
             (transformers' `revert_weight_conversion`: `...mlp.experts.<e>.gate_proj.weight`): rank r
             owns the experts vLLM's linear expert map gives EP rank r, whole; the rest is rank 0's.
@@ -128,7 +130,7 @@ def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -
         parts = name.split(".")
         return int(parts[2]) if name.startswith("model.layers.") else None
 
-    if layout == "pipeline":
+    if layout in ("pipeline", "grows"):
         mine = {}
         for name, t in state.items():
             i = layer_of(name)
@@ -145,6 +147,15 @@ def published_view(layout: str, model: torch.nn.Module, rank: int, world: int) -
         if owner != rank:
             declared[name] = None
     return state, declared
+
+
+GROWS_AT = 2  # the step from which the `grows` layout's rank 0 publishes GROWN too
+GROWN = "model.grown.weight"
+
+
+def grown() -> torch.Tensor:
+    """The tensor the `grows` layout adds (the same on every rank: the test's whole model holds it)."""
+    return torch.randn(8, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
 
 
 def save_model(model: Any, out: Path) -> None:
@@ -188,6 +199,10 @@ def train_and_publish(
             )
         state, _ = published_view(layout, model, rank, world)
         full = full_state(model)  # a collective for FSDP2: every rank takes part
+        if layout == "grows" and step >= GROWS_AT:
+            full[GROWN] = grown()
+            if rank == 0:
+                state[GROWN] = full[GROWN]
         if rank == 0:
             save_file(full, str(root / f"full-{step}.safetensors"))
             if layout == "moe":
