@@ -12,6 +12,8 @@ this machine (gloo, CPU); codec threads are 1 on every rank. Measured in the sam
               round's steps. Each rank publishes its states in ROUNDS rounds (a fresh publisher and
               store each); the fastest round's median is kept. Reported, not enforced: on a 2-vCPU
               VM the host's load moves it run to run (docs/benchmarks.md)
+  phases      rank 0's step in its fastest round (medians): the host copy, its part, the gather + commit +
+              broadcast, and the rest (the queue and the threads' hand-overs)
   overlap     per patch step, the time every rank was making its part (diff, encode, upload) over
               the shortest part: 1 when the parts are made in parallel, 0 when one waits for another;
               the median over every step of every round
@@ -217,7 +219,7 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss("VmRSS")
-    step_s, parts, sizes, peak = [], [], [], 0
+    step_s, phases, parts, sizes, peak = [], [], [], [], 0
     for r in range(rounds):
         store = FileStore(out / f"store-{r}")
         publisher = Publisher(config, store=store, declared=declared if world > 1 else None)
@@ -230,6 +232,7 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
         publisher.close()
         patches = [p for p in publisher.reports if p.kind == "patch" and p.ok]
         step_s.append(took[1:])  # the patch steps: step 0 is the anchor
+        phases.append([(p.snapshot_s, p.encode_s, p.commit_s) for p in patches])
         parts.append([(p.started, p.encode_s) for p in patches])
         sizes = [p.wire_bytes for p in patches]
         del publisher
@@ -241,6 +244,7 @@ def worker(out: Path, hidden: int, layers: int, steps: int, rounds: int) -> None
         "shard_bytes": shard,
         "peak_bytes": peak,
         "step_s": step_s,  # per round, per patch step: publish() until flush() returns
+        "phases": phases,  # per round, per patch step: (host copy, its part, gather + commit + broadcast) seconds
         "parts": parts,  # per round, per patch step: (wall-clock start, seconds) of making this rank's objects
         "part_bytes": sizes,  # per patch step: this rank's part
         # A relaunch on as many ranks (the timed run only): this rank's part of the first step after it.
@@ -303,6 +307,7 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
         "parameters": params,
         "step_s_rounds": [statistics.median(steps) for steps in timed[0]["step_s"]],
         "step_s": min(statistics.median(steps) for steps in timed[0]["step_s"]),
+        "phases_s": step_phases(timed[0]),
         "parts_overlap": parts_overlap(timed) if world > 1 else None,
         "peak_over_shard": peak,
         "peak_over_shard_default_malloc": default_peak,
@@ -311,6 +316,15 @@ def run(world: int, out: Path, hidden: int, layers: int, steps: int) -> dict[str
         "relaunch": relaunches.get("relaunch"),
         "reshard": relaunches.get("reshard"),
     }
+
+
+def step_phases(rank: dict[str, Any]) -> dict[str, float]:
+    """Where rank 0's patch step went, in its fastest round (medians over the round's steps): the host copy,
+    making its part (diff, encode, upload), the collectives and the commit, and the rest of the step."""
+    fastest = min(range(len(rank["step_s"])), key=lambda r: statistics.median(rank["step_s"][r]))
+    copy, part, commit = (statistics.median(p[i] for p in rank["phases"][fastest]) for i in range(3))
+    rest = statistics.median(rank["step_s"][fastest]) - copy - part - commit
+    return {"host_copy": copy, "part": part, "gather_commit": commit, "rest": rest}
 
 
 def parts_overlap(ranks: list[dict[str, Any]]) -> float:
@@ -413,6 +427,10 @@ def main() -> None:
         over = max(r["part_bytes_over_unsharded_steps"])
         row = f"{w:>5} {r['step_s']:>8.4f} {speedup:>7.2f}x {'' if overlap is None else f'{overlap:.2f}':>8}"
         print(f"{row} {peak:>10.2f}x {default:>16.2f}x {over:>15.3f}x {exact!s:>10}")
+    print(f"\nrank 0's step, ms: {'ranks':>5} {'host copy':>10} {'part':>8} {'gather+commit':>14} {'rest':>7}")
+    for w, r in runs.items():
+        copy, part, commit, rest = (v * 1000 for v in r["phases_s"].values())
+        print(f"{'':>18} {w:>5} {copy:>10.1f} {part:>8.1f} {commit:>14.1f} {rest:>7.1f}")
     two = runs.get(2)
     result: dict[str, Any] = {
         "bit_exact": all(r["bit_exact"] for r in runs.values()),

@@ -211,8 +211,8 @@ async def test_a_relaunch_whose_rebuilt_pieces_do_not_prove_publishes_an_anchor_
 
 async def test_a_rank_whose_pieces_move_makes_the_step_an_anchor_on_every_rank(tmp_path: Path) -> None:
     """Rank 0 publishes a tensor it did not have from step 2 on (the `grows` layout) while rank 1's pieces
-    stay: step 2 is committed as an anchor, not a patch (rank 1's patch part of it, made before the ranks'
-    parts said so, is in no manifest), and a subscriber follows every step bit for bit."""
+    stay: step 2 is committed as an anchor on both ranks, no patch of it is in any manifest, and a subscriber
+    follows every step bit for bit."""
     out = torchrun(tmp_path, 2, "grows")
     root = out / "grows"
     commit = parse_manifest((root / "store" / layout.commit_key(2)).read_bytes())

@@ -293,8 +293,8 @@ class ShardedRounds(Rounds):
         t0 = time.perf_counter()
         pieces, tensors = local_pieces(state, self.rank, self._declared)
         # Replicas another rank publishes are not copied (the layout of the last anchor says which).
-        keep, raw = self._keep, self._raw
-        held = {n: t for n, t in tensors.items() if keep is None or pieces != raw or n in keep}
+        keep = None if pieces != self._raw else self._keep  # pieces that moved: a layout to check, all copied
+        held = {n: t for n, t in tensors.items() if keep is None or n in keep}
         copied = self.pool.copy(held)
         return HostCopy(step, copied, time.perf_counter() - t0, files, pieces)
 
