@@ -18,7 +18,8 @@ Bit-exact: each worker's digest of what it holds equals the digest of its region
 The pause, per fast-path step on a real TP=1 server (pulsesync's weight-transfer backend), for the
 real SmolLM2-135M (fine-tuned with AdamW at lr 1e-6 on English text, bench/real_llm.py) and a
 random-weight Llama of 0.49B (Qwen2-0.5B's shape; AdamW at lr 1e-6 on random tokens; quick: 0.27B).
-The server is started STARTS (5) times, each on the launch checkpoint with a store of its own: the
+The server is started STARTS (5) times, each on the launch checkpoint with a store of its own and
+in a process of its own (the trainer's publisher and the daemon: a restarted sidecar's first step): the
 trainer's `Publisher` publishes an anchor and two patches first (a trainer that has run a while);
 then a `pulsesync subscribe` daemon (`Subscriber.run`, poll_seconds 0.1) starts, takes the slow path
 to that step, and feeds the server while `Publisher.publish()` publishes each next step:
@@ -417,7 +418,7 @@ def main() -> None:
                 Contract(f"pause_over_full_reload[{size}]", p["pause_over_full_reload"], 1.0)
                 for size, p in result["pause"].items()
             ),
-            # On 2 cores one start's first step is one noisy sample (0.8-1.5x, docs/benchmarks.md): the
+            # One start's first step is one sample (0.96-1.18x per start here, docs/benchmarks.md): the
             # contract is on the median of the starts
             *(
                 Contract(f"first_over_next[{size}]", p["first_over_next"], FIRST_OVER_NEXT)
